@@ -1,0 +1,195 @@
+"""The async client (anyio), for long-running services.
+
+One connection, many concurrent callers: requests are pipelined and a reader
+task routes each answer to its caller by id. Open it with
+``async with AsyncClient.open(...) as client``. Not imported by
+``towerd.client`` until first used, so hooks never pay for anyio.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import SocketStream
+
+from towerd.protocol import DEFAULT_MAX_FRAME, FrameDecoder, FrameTooLargeError
+from towerd.protocol.envelope import decode_response, encode_request
+from towerd.protocol.errors import TowerdError, Unavailable
+from towerd.protocol.paths import default_socket_path
+from towerd.client.api import TowerdAPI
+from towerd.client.idempotent import RunEffect, idempotent_steps
+from towerd.client.sync import DEFAULT_TIMEOUT, default_client_name, hello_params
+
+
+@dataclass(eq=False)
+class _Pending:
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Any = None
+    error: TowerdError | None = None
+
+
+class AsyncClient(TowerdAPI[Any]):
+    def __init__(self, stream: SocketStream, socket_path: Path, timeout: float | None) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+        self.hello: dict[str, Any] = {}
+        self._stream = stream
+        self._send_lock = anyio.Lock()
+        self._pending: dict[int, _Pending] = {}
+        self._next_id = 0
+        self._lost: Unavailable | None = None
+        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        client_name: str | None = None,
+        principal: str | None = None,
+    ) -> AsyncIterator[AsyncClient]:
+        path = Path(socket_path) if socket_path else default_socket_path()
+        try:
+            stream = await anyio.connect_unix(path)
+        except OSError as exc:
+            raise Unavailable(
+                f"cannot connect to towerd at {path}: {exc.strerror or exc}; is the daemon running?",
+                {"socket": str(path), "reason": "connect"},
+            ) from None
+        async with stream, anyio.create_task_group() as tasks:
+            client = cls(stream, path, timeout)
+            tasks.start_soon(client._read_answers)
+            try:
+                client.hello = await client.call(
+                    "hello", hello_params(client_name or default_client_name(), principal)
+                )
+                client._decoder.max_frame = max(DEFAULT_MAX_FRAME, int(client.hello["max_frame"]))
+                yield client
+            finally:
+                tasks.cancel_scope.cancel()
+
+    async def call(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
+        if self._lost is not None:
+            raise self._lost
+        self._next_id += 1
+        request_id = self._next_id
+        pending = self._pending[request_id] = _Pending()
+        try:
+            async with self._send_lock:
+                await self._stream.send(encode_request(request_id, method, dict(params or {})))
+            with anyio.fail_after(self.timeout):
+                await pending.done.wait()
+        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            raise self._lose(f"lost towerd at {self.socket_path}: {exc!r}", "connection") from None
+        except TimeoutError:
+            raise Unavailable(
+                f"no answer from towerd within {self.timeout}s to {method}; the request may or "
+                "may not have been applied: retry it with the same idempotency key",
+                {"socket": str(self.socket_path), "reason": "timeout"},
+            ) from None
+        finally:
+            self._pending.pop(request_id, None)
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    async def _read_answers(self) -> None:
+        reason = "towerd closed the connection"
+        try:
+            while True:
+                data = await self._stream.receive(65536)
+                for frame in self._decoder.feed(data):
+                    request_id, result, error = decode_response(frame)
+                    pending = self._pending.get(request_id)
+                    if pending is None:
+                        if error is not None and request_id == 0:
+                            reason = f"towerd refused the connection: {error.message}"
+                        continue
+                    pending.result, pending.error = result, error
+                    pending.done.set()
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+        except (FrameTooLargeError, TowerdError) as exc:
+            reason = f"towerd sent a bad frame: {exc}"
+        self._lose(reason, "closed")
+
+    def _lose(self, message: str, reason: str) -> Unavailable:
+        if self._lost is None:
+            self._lost = Unavailable(message, {"socket": str(self.socket_path), "reason": reason})
+            for pending in self._pending.values():
+                pending.error = self._lost
+                pending.done.set()
+        return self._lost
+
+    async def iter_fleet(self, page_size: int | None = None) -> AsyncIterator[dict[str, Any]]:
+        cursor = None
+        while True:
+            page = await self.fleet_list(limit=page_size, cursor=cursor)
+            for row in page["sessions"]:
+                yield row
+            cursor = page.get("next_cursor")
+            if cursor is None:
+                return
+
+
+
+async def run_once_async(
+    operation: str,
+    key: str,
+    effect: Callable[[str], Any],
+    *,
+    payload: Any = None,
+    socket_path: str | None = None,
+    principal: str | None = None,
+    attempts: int = 20,
+    backoff: float = 0.1,
+    max_backoff: float = 2.0,
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> Any:
+    """The async twin of :func:`towerd.client.run_once`; ``effect`` may be sync or async."""
+    steps = idempotent_steps(operation, key, payload)
+    to_send: Any = None
+    to_throw: BaseException | None = None
+    failures = 0
+    async with AsyncExitStack() as connection:
+        client: AsyncClient | None = None
+        while True:
+            try:
+                step = steps.throw(to_throw) if to_throw else steps.send(to_send)
+            except StopIteration as finished:
+                return finished.value
+            to_send, to_throw = None, None
+            if isinstance(step, RunEffect):
+                try:
+                    to_send = effect(step.effect_ref)
+                    if inspect.isawaitable(to_send):
+                        to_send = await to_send
+                except BaseException as exc:  # noqa: BLE001 - handed to the protocol
+                    to_throw = exc
+                continue
+            try:
+                if client is None:
+                    client = await connection.enter_async_context(
+                        AsyncClient.open(socket_path, timeout=timeout, principal=principal)
+                    )
+                to_send = await client.call(step.method, step.params)
+                failures = 0
+            except Unavailable as exc:
+                client = None
+                await connection.aclose()
+                failures += 1
+                if failures >= attempts:
+                    raise
+                await anyio.sleep(min(max_backoff, backoff * 2 ** (failures - 1)))
+                to_throw = exc
+            except TowerdError as exc:
+                to_throw = exc

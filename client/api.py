@@ -1,0 +1,134 @@
+"""Typed calls shared by the blocking and the async client.
+
+Each method only builds ``(method, params)`` and hands them to ``self.call``;
+the blocking client returns the result, the async client returns an
+awaitable of it, so one definition serves both. Results are the plain maps
+documented in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Generic, TypeVar
+
+R = TypeVar("R")
+
+
+def _given(**params: Any) -> dict[str, Any]:
+    """Drop parameters left at None: the daemon's default applies."""
+    return {name: value for name, value in params.items() if value is not None}
+
+
+class TowerdAPI(Generic[R]):
+    def call(self, method: str, params: Mapping[str, Any] | None = None) -> R:
+        raise NotImplementedError
+
+    # --- daemon ---------------------------------------------------------------------------
+
+    def ping(self) -> R:
+        return self.call("ping")
+
+    def status(self) -> R:
+        return self.call("status")
+
+    def shutdown(self) -> R:
+        return self.call("shutdown")
+
+    # --- fleet ----------------------------------------------------------------------------
+
+    def session_register(
+        self,
+        *,
+        cwd: str,
+        agent: str,
+        session_id: str | None = None,
+        idempotency_key: str | None = None,
+        **fields: Any,
+    ) -> R:
+        """Insert a fleet row -> ``{"session_id"}``; with a key, a retry returns the same id."""
+        return self.call(
+            "session.register",
+            _given(cwd=cwd, agent=agent, session_id=session_id, idempotency_key=idempotency_key)
+            | fields,
+        )
+
+    def session_update(self, session_id: str, **fields: Any) -> R:
+        """Rewrite the given fields (``None`` clears a field) -> the row."""
+        return self.call("session.update", {"session_id": session_id, **fields})
+
+    def session_remove(self, session_id: str) -> R:
+        return self.call("session.remove", {"session_id": session_id})
+
+    def fleet_list(self, *, limit: int | None = None, cursor: int | None = None) -> R:
+        """One page: ``{"sessions": [...], "next_cursor": int | None}``."""
+        return self.call("fleet.list", _given(limit=limit, cursor=cursor))
+
+    def fleet_get(self, session_id: str) -> R:
+        return self.call("fleet.get", {"session_id": session_id})
+
+    def fleet_write(
+        self, sessions: Iterable[Mapping[str, Any]], removed: Iterable[str] = ()
+    ) -> R:
+        return self.call("fleet.write", {"sessions": list(sessions), "removed": list(removed)})
+
+    def fleet_import_legacy(self, entries: Iterable[Any]) -> R:
+        return self.call("fleet.import_legacy", {"entries": list(entries)})
+
+    def fleet_adopt(self, daemon_id: str) -> R:
+        return self.call("fleet.adopt", {"daemon_id": daemon_id})
+
+    # --- idempotency ------------------------------------------------------------------------
+
+    def idem_claim(
+        self,
+        operation: str,
+        key: str,
+        *,
+        payload: Any = None,
+        effect_ref: str | None = None,
+        holder_pid: int | None = None,
+        replay_only: bool = False,
+    ) -> R:
+        """``{"state": "claimed", "effect_ref"}`` or ``{"state": "completed", "result", ...}``."""
+        return self.call(
+            "idem.claim",
+            _given(
+                operation=operation,
+                key=key,
+                payload=payload,
+                effect_ref=effect_ref,
+                holder_pid=holder_pid,
+                replay_only=replay_only or None,
+            ),
+        )
+
+    def idem_complete(self, operation: str, key: str, result: Any = None) -> R:
+        return self.call("idem.complete", {"operation": operation, "key": key, "result": result})
+
+    def idem_release(self, operation: str, key: str) -> R:
+        return self.call("idem.release", {"operation": operation, "key": key})
+
+    def idem_mark_unknown(self, operation: str, key: str) -> R:
+        return self.call("idem.mark_unknown", {"operation": operation, "key": key})
+
+    def idem_get(self, operation: str, key: str) -> R:
+        return self.call("idem.get", {"operation": operation, "key": key})
+
+    def idem_list(
+        self,
+        *,
+        state: str | None = None,
+        operation: str | None = None,
+        limit: int | None = None,
+        cursor: int | None = None,
+    ) -> R:
+        return self.call(
+            "idem.list", _given(state=state, operation=operation, limit=limit, cursor=cursor)
+        )
+
+    def idem_resolve(self, operation: str, key: str, outcome: str, result: Any = None) -> R:
+        """Operator recovery of an ``outcome_unknown`` key: ``completed`` or ``abandoned``."""
+        return self.call(
+            "idem.resolve",
+            {"operation": operation, "key": key, "outcome": outcome, "result": result},
+        )

@@ -1,0 +1,1 @@
+"""The towerd daemon: the one process that owns the fleet's state."""

@@ -1,0 +1,208 @@
+"""RPC handlers: thin glue from a validated params Struct to one store call.
+
+The dispatch table is a closed dict built here; the server looks a method up
+in it and nowhere else, so a name like ``_private`` or ``__class__`` can only
+ever be ``unknown_method``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from towerd.protocol import PROTOCOL_VERSION, SERVER_NAME, VERSION
+from towerd.protocol import methods as m
+from towerd.protocol.errors import BadArgs, Conflict
+from towerd.daemon.processes import holder_of
+from towerd.daemon.store import Store, fleet, idempotency
+from towerd.daemon.store.legacy import import_legacy
+from towerd.daemon.store.status import status_counts
+from towerd.daemon.store.idempotency import Holder
+from towerd.daemon.store.tx import now_ms
+
+
+@dataclass
+class Caller:
+    """Who is asking: fixed per connection once ``hello`` succeeded."""
+
+    principal: str
+    pid: int
+    holder: Holder | None  # the peer process, as a key holder
+    hello_done: bool = False
+    claimed: bool = False  # this connection claimed a key for its own process
+
+
+@dataclass(frozen=True)
+class DaemonInfo:
+    socket_path: str
+    max_frame: int
+    started_at: int
+    started_monotonic: float
+
+
+Handler = Callable[[Caller, Any], Awaitable[Any]]
+
+
+class Handlers:
+    """One method per RPC; ``table`` maps wire names to them."""
+
+    def __init__(
+        self,
+        store: Store,
+        info: DaemonInfo,
+        request_shutdown: Callable[[str], None],
+    ) -> None:
+        self.store = store
+        self.info = info
+        self._request_shutdown = request_shutdown
+        self.table: dict[str, Handler] = {
+            "hello": self.hello,
+            "ping": self.ping,
+            "status": self.status,
+            "shutdown": self.shutdown,
+            "session.register": self.session_register,
+            "session.update": self.session_update,
+            "session.remove": self.session_remove,
+            "fleet.list": self.fleet_list,
+            "fleet.get": self.fleet_get,
+            "fleet.write": self.fleet_write,
+            "fleet.import_legacy": self.fleet_import_legacy,
+            "fleet.adopt": self.fleet_adopt,
+            "idem.claim": self.idem_claim,
+            "idem.complete": self.idem_complete,
+            "idem.release": self.idem_release,
+            "idem.mark_unknown": self.idem_mark_unknown,
+            "idem.get": self.idem_get,
+            "idem.list": self.idem_list,
+            "idem.resolve": self.idem_resolve,
+        }
+        assert self.table.keys() == m.METHODS.keys(), "handler table out of step with protocol"
+
+    # --- daemon ----------------------------------------------------------------------
+
+    async def hello(self, caller: Caller, params: m.HelloParams) -> m.HelloResult:
+        if caller.hello_done:
+            raise Conflict("this connection already said hello")
+        return m.HelloResult(
+            daemon_id=self.store.daemon_id,
+            owner_epoch=self.store.owner_epoch,
+            protocol=PROTOCOL_VERSION,
+            server=m.ServerInfo(name=SERVER_NAME, version=VERSION),
+            max_frame=self.info.max_frame,
+            features=m.FEATURES,
+            principal=caller.principal,
+        )
+
+    async def ping(self, caller: Caller, params: m.Empty) -> m.PingResult:
+        return m.PingResult(pong=True, now=now_ms())
+
+    async def status(self, caller: Caller, params: m.Empty) -> m.StatusResult:
+        sessions, keys = await self.store.read(status_counts)
+        return m.StatusResult(
+            daemon_id=self.store.daemon_id,
+            owner_epoch=self.store.owner_epoch,
+            pid=os.getpid(),
+            version=VERSION,
+            protocol=PROTOCOL_VERSION,
+            started_at=self.info.started_at,
+            uptime_ms=int((time.monotonic() - self.info.started_monotonic) * 1000),
+            db_path=str(self.store.db_path),
+            socket_path=self.info.socket_path,
+            sessions=sessions,
+            keys=keys,
+            reconciliation=self.store.reconciliation,
+        )
+
+    async def shutdown(self, caller: Caller, params: m.Empty) -> m.ShutdownResult:
+        self._request_shutdown(f"shutdown requested by {caller.principal} (pid {caller.pid})")
+        return m.ShutdownResult(stopping=True)
+
+    # --- fleet -------------------------------------------------------------------------
+
+    async def session_register(
+        self, caller: Caller, params: m.SessionRegisterParams
+    ) -> m.SessionRegisterResult:
+        return await self.store.write(
+            fleet.register_session, caller.principal, params, caller.holder
+        )
+
+    async def session_update(self, caller: Caller, params: m.SessionUpdateParams) -> m.SessionRow:
+        return await self.store.write(fleet.update_session, params)
+
+    async def session_remove(
+        self, caller: Caller, params: m.SessionIdParams
+    ) -> m.SessionRemoveResult:
+        return await self.store.write(fleet.remove_session, params.session_id)
+
+    async def fleet_list(self, caller: Caller, params: m.FleetListParams) -> m.FleetListResult:
+        return await self.store.read(fleet.list_sessions, params.limit, params.cursor)
+
+    async def fleet_get(self, caller: Caller, params: m.SessionIdParams) -> m.SessionRow:
+        return await self.store.read(fleet.get_session, params.session_id)
+
+    async def fleet_write(self, caller: Caller, params: m.FleetWriteParams) -> m.FleetWriteResult:
+        return await self.store.write(fleet.write_fleet, params.sessions, params.removed)
+
+    async def fleet_import_legacy(
+        self, caller: Caller, params: m.LegacyImportParams
+    ) -> m.LegacyImportResult:
+        return await self.store.write(import_legacy, params.entries)
+
+    async def fleet_adopt(self, caller: Caller, params: m.FleetAdoptParams) -> m.FleetAdoptResult:
+        return await self.store.write(fleet.adopt_fleet, caller.principal, params.daemon_id)
+
+    # --- idempotency ---------------------------------------------------------------------
+
+    async def idem_claim(self, caller: Caller, params: m.IdemClaimParams) -> m.IdemClaimResult:
+        holder = caller.holder
+        if params.holder_pid is not None:
+            holder = holder_of(params.holder_pid)
+            if holder is None:
+                raise BadArgs(f"holder_pid {params.holder_pid} is not a running process")
+        result = await self.store.write(idempotency.claim, caller.principal, params, holder)
+        if result.state == "claimed" and holder == caller.holder:
+            caller.claimed = True
+        return result
+
+    async def idem_complete(self, caller: Caller, params: m.IdemCompleteParams) -> m.IdemRecord:
+        return await self.store.write(
+            idempotency.complete, caller.principal, params.operation, params.key, params.result
+        )
+
+    async def idem_release(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemReleaseResult:
+        return await self.store.write(
+            idempotency.release, caller.principal, params.operation, params.key
+        )
+
+    async def idem_mark_unknown(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemRecord:
+        return await self.store.write(
+            idempotency.mark_unknown, caller.principal, params.operation, params.key
+        )
+
+    async def idem_get(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemRecord:
+        return await self.store.read(idempotency.get, caller.principal, params.operation, params.key)
+
+    async def idem_list(self, caller: Caller, params: m.IdemListParams) -> m.IdemListResult:
+        return await self.store.read(
+            idempotency.list_keys,
+            caller.principal,
+            params.state,
+            params.operation,
+            params.limit,
+            params.cursor,
+        )
+
+    async def idem_resolve(
+        self, caller: Caller, params: m.IdemResolveParams
+    ) -> m.IdemResolveResult:
+        return await self.store.write(
+            idempotency.resolve,
+            caller.principal,
+            params.operation,
+            params.key,
+            params.outcome,
+            params.result,
+        )

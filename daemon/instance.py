@@ -1,0 +1,70 @@
+"""One daemon per state dir: an exclusive flock on ``towerd.lock``.
+
+The lock is taken before the database is opened and held for the process's
+life; the kernel drops it when the process dies, however it dies, so there is
+no stale lock to clean up. The file records the holder's pid and socket so a
+second ``towerd`` can say who is running.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+
+from towerd.daemon.private_paths import StartRefused, check_private
+
+LOCK_FILE = "towerd.lock"
+
+
+class AlreadyRunning(StartRefused):
+    """Another towerd holds the state dir."""
+
+    def __init__(self, message: str, holder: dict[str, object]) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class InstanceLock:
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, state_dir: Path, socket_path: Path, *, wait_seconds: float = 0.0) -> InstanceLock:
+        """Take the lock, waiting up to ``wait_seconds``; else raise ``AlreadyRunning``."""
+        path = state_dir / LOCK_FILE
+        check_private(path, "lock file", want_dir=False)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = read_holder(path)
+                    os.close(fd)
+                    raise AlreadyRunning(
+                        f"towerd is already running on state dir {state_dir} "
+                        f"(pid {holder.get('pid', '?')}, socket {holder.get('socket', '?')}); "
+                        "stop it first, or start with --takeover",
+                        holder,
+                    ) from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "socket": str(socket_path)}).encode(), 0)
+        return cls(fd, path)
+
+    def release(self) -> None:
+        os.close(self._fd)
+
+
+def read_holder(path: Path) -> dict[str, object]:
+    try:
+        holder = json.loads(path.read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}

@@ -1,0 +1,249 @@
+"""``towerd``: start the daemon. Exit 0 after a clean stop, 75 when another
+towerd holds the state dir, 78 when starting would be unsafe (a newer or
+damaged database, unsafe permissions) or when this process was superseded;
+systemd is told not to restart on 78."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import anyio
+import msgspec
+import structlog
+from anyio.abc import SocketListener
+
+from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
+from towerd.protocol.paths import default_socket_path, default_state_dir
+from towerd.daemon import systemd
+from towerd.daemon.handlers import DaemonInfo, Handlers
+from towerd.daemon.instance import AlreadyRunning, InstanceLock
+from towerd.daemon.logs import configure_logging
+from towerd.daemon.maintenance import HolderSweep, expire_periodically
+from towerd.daemon.private_paths import StartRefused, ensure_private_dir
+from towerd.daemon.server import Server, bind_private_socket
+from towerd.daemon.store import StoreConfig, open_store
+from towerd.daemon.store.tx import now_ms
+
+EXIT_OK = 0
+EXIT_ALREADY_RUNNING = 75  # EX_TEMPFAIL
+EXIT_REFUSED = 78  # EX_CONFIG: restarting will not help
+
+log = structlog.get_logger("towerd")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket_path: Path
+    state_dir: Path
+    max_frame: int = DEFAULT_MAX_FRAME
+    completed_ttl_seconds: float = 24 * 3600
+    holder_check_interval: float = 1.0
+    expiry_interval: float = 600.0
+    shutdown_grace: float = 10.0
+    takeover: bool = False
+    takeover_timeout: float = 15.0
+
+
+class StopRequest:
+    """The first reason to stop wins; it carries the exit code."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.reason = ""
+        self.exit_code = EXIT_OK
+
+    def request(self, reason: str, exit_code: int = EXIT_OK) -> None:
+        if not self.event.is_set():
+            self.reason, self.exit_code = reason, exit_code
+            self.event.set()
+
+
+async def run_daemon(config: DaemonConfig) -> int:
+    os.umask(0o077)
+    state_dir = ensure_private_dir(config.state_dir, "state dir")
+    activated = systemd.listen_socket()
+    socket_path = Path(activated.getsockname()) if activated else config.socket_path
+    if config.takeover:
+        await ask_running_daemon_to_stop(socket_path)
+    lock = await anyio.to_thread.run_sync(
+        partial(
+            InstanceLock.acquire,
+            state_dir,
+            socket_path,
+            wait_seconds=config.takeover_timeout if config.takeover else 0.0,
+        )
+    )
+    stop = StopRequest()
+    try:
+        store_config = StoreConfig(
+            state_dir, completed_ttl_ms=int(config.completed_ttl_seconds * 1000)
+        )
+        async with open_store(store_config) as store:
+            log.info(
+                "reconciled",
+                daemon_id=store.daemon_id,
+                **msgspec.structs.asdict(store.reconciliation),
+            )
+            listening = activated or bind_private_socket(socket_path)
+            try:
+                await serve(config, store, listening, socket_path, stop)
+            finally:
+                if activated is None:
+                    socket_path.unlink(missing_ok=True)
+    finally:
+        lock.release()
+    log.info("stopped", reason=stop.reason, exit_code=stop.exit_code)
+    return stop.exit_code
+
+
+async def serve(config, store, listening, socket_path: Path, stop: StopRequest) -> None:
+    listener = await SocketListener.from_socket(listening)
+    handlers = Handlers(
+        store,
+        DaemonInfo(
+            socket_path=str(socket_path),
+            max_frame=config.max_frame,
+            started_at=now_ms(),
+            started_monotonic=time.monotonic(),
+        ),
+        request_shutdown=stop.request,
+    )
+    sweep = HolderSweep(store, config.holder_check_interval)
+    server = Server(
+        handlers,
+        max_frame=config.max_frame,
+        on_disconnect=lambda caller: sweep.poke() if caller.claimed else None,
+    )
+    async with anyio.create_task_group() as tasks:
+        await tasks.start(server.serve, listener)
+        tasks.start_soon(sweep.run)
+        tasks.start_soon(expire_periodically, store, config.expiry_interval)
+        tasks.start_soon(_stop_on_signals, stop)
+        tasks.start_soon(_stop_when_superseded, store, stop)
+        interval = systemd.watchdog_interval()
+        if interval:
+            tasks.start_soon(_watchdog, store, interval)
+        systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
+        log.info("serving", socket=str(socket_path), pid=os.getpid(), version=VERSION)
+        await stop.event.wait()
+        systemd.notify(f"STOPPING=1\nSTATUS=stopping: {stop.reason}")
+        log.info("stopping", reason=stop.reason)
+        await server.drain(config.shutdown_grace)
+        tasks.cancel_scope.cancel()
+
+
+async def _stop_on_signals(stop: StopRequest) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            stop.request(f"signal {signal.Signals(signum).name}")
+
+
+async def _stop_when_superseded(store, stop: StopRequest) -> None:
+    await store.superseded.wait()
+    log.error(
+        "superseded",
+        code="stale_epoch",
+        daemon_id=store.daemon_id,
+        owner_epoch=store.owner_epoch,
+    )
+    stop.request("superseded by a later epoch of this daemon", EXIT_REFUSED)
+
+
+async def _watchdog(store, interval: float) -> None:
+    """Ping systemd only while the event loop and the database thread both answer."""
+    while True:
+        await store.read(lambda tx: tx.conn.execute("SELECT 1").fetchone())
+        systemd.notify("WATCHDOG=1")
+        await anyio.sleep(interval)
+
+
+async def ask_running_daemon_to_stop(socket_path: Path) -> None:
+    """--takeover: ask the daemon on our socket to shut down (it may be gone already)."""
+    from towerd.client import Client, TowerdError
+
+    def request() -> None:
+        try:
+            with Client(socket_path, timeout=5.0, client_name="towerd --takeover") as client:
+                client.shutdown()
+        except TowerdError as exc:
+            log.info("takeover_no_daemon", socket=str(socket_path), reason=str(exc))
+
+    await anyio.to_thread.run_sync(request)
+
+
+def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="towerd", description="The towerd daemon: fleet state and idempotency keys."
+    )
+    parser.add_argument("--socket", type=Path, default=None, help="Unix socket path "
+                        "(default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock)")
+    parser.add_argument("--state-dir", type=Path, default=None, help="state directory "
+                        "(default $TOWERD_STATE_DIR, else $XDG_STATE_HOME/towerd)")
+    parser.add_argument("--takeover", action="store_true",
+                        help="ask the running daemon to stop, then start at the next epoch")
+    parser.add_argument("--takeover-timeout", type=float, default=15.0, metavar="SECONDS")
+    parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES")
+    parser.add_argument("--completed-ttl", type=float, default=24 * 3600, metavar="SECONDS",
+                        help="how long completed idempotency keys are kept (default 24 h)")
+    parser.add_argument("--holder-check-interval", type=float, default=1.0, metavar="SECONDS")
+    parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument("--log-level", default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
+                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
+    parser.add_argument("--version", action="version", version=f"towerd {VERSION}")
+    args = parser.parse_args(argv)
+    config = DaemonConfig(
+        socket_path=args.socket or default_socket_path(),
+        state_dir=args.state_dir or default_state_dir(),
+        max_frame=args.max_frame,
+        completed_ttl_seconds=args.completed_ttl,
+        holder_check_interval=args.holder_check_interval,
+        shutdown_grace=args.shutdown_grace,
+        takeover=args.takeover,
+        takeover_timeout=args.takeover_timeout,
+    )
+    return config, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, args = parse_args(argv)
+    configure_logging(
+        args.log_level, json_lines=None if args.log_format == "auto" else args.log_format == "json"
+    )
+    try:
+        code = anyio.run(run_daemon, config, backend="asyncio")
+    except BaseException as exc:  # noqa: BLE001 - refusals may arrive inside exception groups
+        refused = _first(exc, StartRefused)
+        if refused is None:
+            raise
+        if isinstance(refused, AlreadyRunning):
+            log.error("already_running", code="unavailable", reason=str(refused))
+            code = EXIT_ALREADY_RUNNING
+        else:
+            log.error("start_refused", code="refused", reason=str(refused))
+            code = EXIT_REFUSED
+        print(f"towerd: {refused}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _first(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first ``kind`` in ``exc`` or, recursively, in the exception groups around it."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _first(inner, kind)
+            if found is not None:
+                return found
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Background upkeep: dead holders' keys become unknown; old completed keys expire.
+
+A key's holder is a process (pid + start time), not a connection: a claim
+whose connection closed while its holder lives stays ``in_progress``. The
+sweep runs every ``interval`` seconds and also at once when a connection of a
+known holder closes, so a killed claimant's key turns ``outcome_unknown``
+within about a second.
+"""
+
+from __future__ import annotations
+
+import anyio
+import structlog
+
+from towerd.daemon.processes import is_alive
+from towerd.daemon.store import Store, idempotency
+from towerd.daemon.store.idempotency import Holder
+
+log = structlog.get_logger("towerd.maintenance")
+
+
+class HolderSweep:
+    def __init__(self, store: Store, interval: float) -> None:
+        self.store = store
+        self.interval = interval
+        self._wakeup = anyio.Event()
+
+    def poke(self, _holder: Holder | None = None) -> None:
+        """Sweep soon (a holder's connection closed)."""
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        while True:
+            with anyio.move_on_after(self.interval):
+                await self._wakeup.wait()
+            self._wakeup = anyio.Event()
+            await self.sweep_once()
+
+    async def sweep_once(self) -> int:
+        holders = await self.store.read(idempotency.live_holders)
+        dead = [holder for holder in holders if not is_alive(holder)]
+        if not dead:
+            return 0
+        moved = await self.store.write(idempotency.mark_holders_dead, dead)
+        for principal, operation, key in moved:
+            log.warning(
+                "holder_died",
+                code="outcome_unknown",
+                principal=principal,
+                operation=operation,
+                key=key,
+            )
+        return len(moved)
+
+
+async def expire_periodically(store: Store, interval: float) -> None:
+    while True:
+        await anyio.sleep(interval)
+        expired = await store.write(idempotency.expire_completed, store.config.completed_ttl_ms)
+        if expired:
+            log.info("keys_expired", count=expired)

@@ -1,0 +1,56 @@
+"""Process identity from /proc: a pid plus its start time names one process for good.
+
+A pid alone is reused by the kernel; the start time (clock ticks after boot,
+field 22 of /proc/PID/stat) tells a reused pid from the process that claimed
+a key. A zombie is dead for our purposes: it will never complete anything.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+
+from towerd.daemon.store.idempotency import Holder
+
+_PEERCRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """The connecting process's pid, uid and gid, as the kernel recorded them at connect."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return PeerCredentials(*_PEERCRED.unpack(raw))
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name may contain spaces and parentheses: split after the last ')'.
+    return data[data.rindex(b")") + 2 :].decode("ascii", "replace").split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a live (non-zombie) process, or None if there is none."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X", "x"):
+        return None
+    return int(fields[19])
+
+
+def holder_of(pid: int) -> Holder | None:
+    start = process_start_time(pid)
+    return None if start is None else Holder(pid, start)
+
+
+def is_alive(holder: Holder) -> bool:
+    return process_start_time(holder.pid) == holder.start

@@ -1,0 +1,419 @@
+"""Fleet rows: one per agent session, owned by one daemon at one epoch.
+
+Every write that touches a session first proves ownership: a session owned by
+another daemon id, or recorded under a later epoch than the writer's, refuses
+the whole write with ``stale_epoch``. Parent links always form a one-level
+hierarchy within one daemon's fleet (see :mod:`relink`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch
+from towerd.protocol.methods import (
+    SESSION_FIELDS,
+    FleetAdoptResult,
+    FleetListResult,
+    FleetWriteResult,
+    SessionEntry,
+    SessionRegisterParams,
+    SessionRegisterResult,
+    SessionRemoveResult,
+    SessionRow,
+    SessionUpdateParams,
+)
+from towerd.daemon.store.idempotency import (
+    COMPLETED,
+    Holder,
+    log_operator_action,
+    payload_hash,
+    replay_or_refuse,
+)
+from towerd.daemon.store.idempotency import insert as insert_key
+from towerd.daemon.store.relink import relink
+from towerd.daemon.store.tx import Tx
+
+ROW_COLUMNS = ("session_id", *SESSION_FIELDS, "daemon_id", "owner_epoch", "updated_at")
+_SELECT_ROW = f"SELECT {', '.join(ROW_COLUMNS)} FROM sessions"
+_BOOLEAN_FIELDS = frozenset({"pinned", "exited"})
+_SQLITE_MAX_VARIABLES = 500  # stay far below SQLite's limit when chunking IN (...)
+
+
+def row_from_sql(values: Sequence[Any]) -> SessionRow:
+    fields = dict(zip(ROW_COLUMNS, values, strict=True))
+    for name in _BOOLEAN_FIELDS:
+        fields[name] = bool(fields[name])
+    return SessionRow(**fields)
+
+
+def _sql_value(name: str, value: Any) -> Any:
+    return int(value) if name in _BOOLEAN_FIELDS else value
+
+
+def _chunks(items: Sequence[str]) -> Iterable[Sequence[str]]:
+    for start in range(0, len(items), _SQLITE_MAX_VARIABLES):
+        yield items[start : start + _SQLITE_MAX_VARIABLES]
+
+
+# --- ownership ---------------------------------------------------------------------
+
+
+def require_writable(tx: Tx, session_ids: Iterable[str]) -> None:
+    """Refuse the write if any session belongs to another daemon or a later epoch."""
+    ids = sorted(set(session_ids))
+    for chunk in _chunks(ids):
+        stale = tx.conn.execute(
+            f"""SELECT session_id, daemon_id, owner_epoch FROM sessions
+                WHERE session_id IN ({",".join("?" * len(chunk))})
+                  AND (daemon_id != ? OR owner_epoch > ?)
+                LIMIT 1""",
+            (*chunk, tx.daemon_id, tx.owner_epoch),
+        ).fetchone()
+        if stale is not None:
+            session_id, daemon_id, epoch = stale
+            raise StaleEpoch(
+                f"session {session_id} is owned by daemon {daemon_id} at epoch {epoch}; "
+                f"this daemon writes as {tx.daemon_id} at epoch {tx.owner_epoch}",
+                {
+                    "session_id": session_id,
+                    "owner_daemon_id": daemon_id,
+                    "owner_epoch": epoch,
+                    "daemon_id": tx.daemon_id,
+                    "epoch": tx.owner_epoch,
+                },
+            )
+
+
+# --- reads -------------------------------------------------------------------------
+
+
+def get_session(tx: Tx, session_id: str) -> SessionRow:
+    """One of this daemon's rows (another daemon's rows are not visible here)."""
+    values = tx.conn.execute(
+        f"{_SELECT_ROW} WHERE session_id = ? AND daemon_id = ?", (session_id, tx.daemon_id)
+    ).fetchone()
+    if values is None:
+        raise NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
+    return row_from_sql(values)
+
+
+def list_sessions(tx: Tx, limit: int, cursor: int | None) -> FleetListResult:
+    """This daemon's rows in stored order, one page at a time (cursor = last rowid seen)."""
+    rows = tx.conn.execute(
+        f"""SELECT rowid, {", ".join(ROW_COLUMNS)} FROM sessions
+            WHERE daemon_id = ? AND rowid > ? ORDER BY rowid LIMIT ?""",
+        (tx.daemon_id, cursor or 0, limit + 1),
+    ).fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return FleetListResult(
+        sessions=[row_from_sql(row[1:]) for row in rows],
+        next_cursor=rows[-1][0] if more else None,
+    )
+
+
+def count_sessions(tx: Tx) -> int:
+    return tx.conn.execute(
+        "SELECT count(*) FROM sessions WHERE daemon_id = ?", (tx.daemon_id,)
+    ).fetchone()[0]
+
+
+# --- single-row writes ---------------------------------------------------------------
+
+
+def _own_row(tx: Tx, session_id: str) -> tuple[str | None, str | None] | None:
+    """(parent, agent_session_id) of one of this daemon's rows, or None."""
+    return tx.conn.execute(
+        "SELECT parent, agent_session_id FROM sessions WHERE session_id = ? AND daemon_id = ?",
+        (session_id, tx.daemon_id),
+    ).fetchone()
+
+
+def _top_level_parent(tx: Tx, parent: str) -> str:
+    """The top-level row a new link to ``parent`` must point at (rule 3 of relink)."""
+    row = _own_row(tx, parent)
+    if row is None:
+        raise NotFound(
+            f"parent session {parent} is not in this daemon's fleet", {"session_id": parent}
+        )
+    return row[0] or parent
+
+
+def _require_unique_agent_session(tx: Tx, agent_session_id: str | None, session_id: str) -> None:
+    if agent_session_id is None:
+        return
+    holder = tx.conn.execute(
+        """SELECT session_id FROM sessions
+           WHERE daemon_id = ? AND agent_session_id = ? AND session_id != ?""",
+        (tx.daemon_id, agent_session_id, session_id),
+    ).fetchone()
+    if holder is not None:
+        raise Conflict(
+            f"agent session {agent_session_id} already belongs to session {holder[0]}",
+            {"agent_session_id": agent_session_id, "session_id": holder[0]},
+        )
+
+
+def insert_session(tx: Tx, params: SessionRegisterParams) -> str:
+    """Insert one row; the caller's session id is kept, else one is minted."""
+    session_id = params.session_id or str(uuid.uuid4())
+    require_writable(tx, [session_id])
+    if _own_row(tx, session_id) is not None:
+        raise Conflict(f"session {session_id} is already registered", {"session_id": session_id})
+    fields = {name: getattr(params, name) for name in SESSION_FIELDS}
+    if fields["parent"] is not None:
+        if fields["parent"] == session_id:
+            raise BadArgs("a session cannot be its own parent")
+        fields["parent"] = _top_level_parent(tx, fields["parent"])
+    _require_unique_agent_session(tx, fields["agent_session_id"], session_id)
+    _insert_row(tx, session_id, fields)
+    return session_id
+
+
+def _insert_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
+    tx.conn.execute(
+        f"INSERT INTO sessions ({', '.join(ROW_COLUMNS)}) "
+        f"VALUES ({', '.join('?' * len(ROW_COLUMNS))})",
+        (
+            session_id,
+            *(_sql_value(name, fields[name]) for name in SESSION_FIELDS),
+            tx.daemon_id,
+            tx.owner_epoch,
+            tx.now,
+        ),
+    )
+
+
+def _update_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
+    assignments = ", ".join(f"{name} = ?" for name in fields)
+    tx.conn.execute(
+        f"UPDATE sessions SET {assignments}{', ' if fields else ''}owner_epoch = ?, updated_at = ? "
+        "WHERE session_id = ?",
+        (
+            *(_sql_value(name, value) for name, value in fields.items()),
+            tx.owner_epoch,
+            tx.now,
+            session_id,
+        ),
+    )
+
+
+def update_session(tx: Tx, params: SessionUpdateParams) -> SessionRow:
+    """Rewrite the given fields of one row; a new parent keeps the hierarchy one level deep."""
+    session_id = params.session_id
+    require_writable(tx, [session_id])
+    if _own_row(tx, session_id) is None:
+        raise NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
+    fields = params.given_fields()
+    if fields.get("parent") is not None:
+        parent = _top_level_parent(tx, fields["parent"])
+        if session_id in (fields["parent"], parent):
+            raise Conflict(
+                f"making {fields['parent']} the parent of {session_id} would create a cycle"
+            )
+        fields["parent"] = parent
+        # This row becomes a sub-session: its own sub-sessions move up with it.
+        children = [
+            row[0]
+            for row in tx.conn.execute(
+                "SELECT session_id FROM sessions WHERE parent = ? AND daemon_id = ?",
+                (session_id, tx.daemon_id),
+            )
+        ]
+        require_writable(tx, children)
+        for child in children:
+            _update_row(tx, child, {"parent": parent})
+    if "agent_session_id" in fields:
+        _require_unique_agent_session(tx, fields["agent_session_id"], session_id)
+    _update_row(tx, session_id, fields)
+    return get_session(tx, session_id)
+
+
+def remove_session(tx: Tx, session_id: str) -> SessionRemoveResult:
+    """Delete one row; its sub-sessions become top-level."""
+    require_writable(tx, [session_id])
+    if _own_row(tx, session_id) is None:
+        raise NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
+    tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+    children = [
+        row[0]
+        for row in tx.conn.execute(
+            "SELECT session_id FROM sessions WHERE parent = ? AND daemon_id = ?",
+            (session_id, tx.daemon_id),
+        )
+    ]
+    for child in children:
+        _update_row(tx, child, {"parent": None})
+    return SessionRemoveResult(session_id=session_id, removed=True)
+
+
+# --- whole-fleet writes --------------------------------------------------------------
+
+
+def write_fleet(
+    tx: Tx, entries: Sequence[SessionEntry], removed: Sequence[str]
+) -> FleetWriteResult:
+    """Replace the given rows and delete the removed ones, in one transaction.
+
+    Rows not mentioned are kept. Among the given entries, those sharing an
+    agent session id keep the one written last; a stored row that is not
+    mentioned but shares an agent session id with a kept entry is a
+    ``conflict`` (list it in ``removed`` to replace it). Parent links of the
+    whole fleet are then relinked to one level.
+    """
+    removed_set = set(removed)
+    both = removed_set.intersection(entry.session_id for entry in entries)
+    if both:
+        raise BadArgs(f"sessions both written and removed: {sorted(both)}")
+    require_writable(tx, [*(entry.session_id for entry in entries), *removed_set])
+
+    # Keep the last entry per session id, then the last per agent session id.
+    latest: dict[str, SessionEntry] = {}
+    for entry in entries:
+        latest.pop(entry.session_id, None)
+        latest[entry.session_id] = entry
+    survivor_of: dict[str, str] = {}
+    for entry in latest.values():
+        if entry.agent_session_id is not None:
+            survivor_of[entry.agent_session_id] = entry.session_id
+    replaced = {
+        entry.session_id: survivor_of[entry.agent_session_id]
+        for entry in latest.values()
+        if entry.agent_session_id is not None
+        and survivor_of[entry.agent_session_id] != entry.session_id
+    }
+    kept = {sid: entry for sid, entry in latest.items() if sid not in replaced}
+
+    stored = tx.conn.execute(
+        "SELECT session_id, agent_session_id, parent FROM sessions "
+        "WHERE daemon_id = ? ORDER BY rowid",
+        (tx.daemon_id,),
+    ).fetchall()
+    stored_ids = {row[0] for row in stored}
+    mentioned = kept.keys() | replaced.keys() | removed_set
+    for session_id, agent_session_id, _parent in stored:
+        if session_id in mentioned or agent_session_id is None:
+            continue
+        owner = survivor_of.get(agent_session_id)
+        if owner is not None:
+            raise Conflict(
+                f"agent session {agent_session_id} is held by stored session {session_id}, "
+                f"which this write does not mention; list it in `removed` to replace it",
+                {"agent_session_id": agent_session_id, "session_id": session_id},
+            )
+
+    # The fleet after the write, in stored order, new rows appended in given order.
+    order = [row[0] for row in stored if row[0] not in removed_set and row[0] not in replaced]
+    order += [sid for sid in kept if sid not in stored_ids]
+    links: dict[str, str | None] = {row[0]: row[2] for row in stored}
+    links.update((sid, entry.parent) for sid, entry in latest.items())
+    parents = relink(order, links, replaced)
+
+    deleted = [sid for sid in (*removed_set, *replaced) if sid in stored_ids]
+    for sid in deleted:
+        tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (sid,))
+    # Free every agent session id being rewritten before any row takes one.
+    for sid in kept.keys() & stored_ids:
+        tx.conn.execute("UPDATE sessions SET agent_session_id = NULL WHERE session_id = ?", (sid,))
+
+    relinked = 0
+    for sid in order:
+        entry = kept.get(sid)
+        if entry is None:
+            if parents[sid] != links[sid]:
+                _update_row(tx, sid, {"parent": parents[sid]})
+                relinked += 1
+            continue
+        if parents[sid] != entry.parent:
+            relinked += 1
+        fields = {name: getattr(entry, name) for name in SESSION_FIELDS}
+        fields["parent"] = parents[sid]
+        if sid in stored_ids:
+            _update_row(tx, sid, fields)
+        else:
+            _insert_row(tx, sid, fields)
+    return FleetWriteResult(
+        written=len(kept),
+        removed=sum(1 for sid in removed_set if sid in stored_ids),
+        dropped=sorted(replaced),
+        relinked=relinked,
+    )
+
+
+def agent_session_index(tx: Tx) -> dict[str, str]:
+    """agent session id -> session id for this daemon's rows."""
+    return dict(
+        tx.conn.execute(
+            "SELECT agent_session_id, session_id FROM sessions "
+            "WHERE daemon_id = ? AND agent_session_id IS NOT NULL",
+            (tx.daemon_id,),
+        ).fetchall()
+    )
+
+
+def adopt_fleet(tx: Tx, principal: str, from_daemon_id: str) -> FleetAdoptResult:
+    """Move every row of a daemon that is gone for good to this daemon, at its epoch.
+
+    An operator's takeover: recorded in the operator log."""
+    if from_daemon_id == tx.daemon_id:
+        raise BadArgs("a daemon cannot adopt its own fleet")
+    known = tx.conn.execute(
+        "SELECT 1 FROM daemons WHERE daemon_id = ?", (from_daemon_id,)
+    ).fetchone()
+    if known is None:
+        raise NotFound(f"no daemon {from_daemon_id} is recorded in this store")
+    clash = tx.conn.execute(
+        """SELECT theirs.session_id, theirs.agent_session_id, ours.session_id
+           FROM sessions AS theirs JOIN sessions AS ours
+             ON ours.agent_session_id = theirs.agent_session_id AND ours.daemon_id = ?
+           WHERE theirs.daemon_id = ? LIMIT 1""",
+        (tx.daemon_id, from_daemon_id),
+    ).fetchone()
+    if clash is not None:
+        raise Conflict(
+            f"session {clash[0]} of daemon {from_daemon_id} and session {clash[2]} of this "
+            f"daemon share agent session {clash[1]}; remove one before adopting"
+        )
+    adopted = tx.conn.execute(
+        "UPDATE sessions SET daemon_id = ?, owner_epoch = ?, updated_at = ? WHERE daemon_id = ?",
+        (tx.daemon_id, tx.owner_epoch, tx.now, from_daemon_id),
+    ).rowcount
+    log_operator_action(
+        tx, principal, "fleet.adopt", {"from_daemon_id": from_daemon_id, "adopted": adopted}
+    )
+    return FleetAdoptResult(
+        adopted=adopted,
+        from_daemon_id=from_daemon_id,
+        daemon_id=tx.daemon_id,
+        owner_epoch=tx.owner_epoch,
+    )
+
+
+REGISTER_OPERATION = "session.register"
+
+
+def register_session(
+    tx: Tx, principal: str, params: SessionRegisterParams, holder: Holder | None
+) -> SessionRegisterResult:
+    """Insert one row; with an idempotency key, claim + insert + complete in this one
+    transaction, so a retry answers the same session id and never inserts twice."""
+    key = params.idempotency_key
+    if key is None:
+        return SessionRegisterResult(session_id=insert_session(tx, params))
+    request = msgspec.structs.asdict(params)
+    del request["idempotency_key"]
+    digest = payload_hash(request)
+    stored = replay_or_refuse(tx, principal, REGISTER_OPERATION, key, digest, holder)
+    if stored is not None:
+        return SessionRegisterResult(session_id=stored["session_id"])
+    session_id = insert_session(tx, params)
+    insert_key(
+        tx, principal, REGISTER_OPERATION, key, digest, COMPLETED, session_id,
+        {"session_id": session_id}, holder,
+    )
+    return SessionRegisterResult(session_id=session_id)

@@ -1,0 +1,370 @@
+"""Idempotency keys: ``in_progress`` -> ``completed``, or ``outcome_unknown`` when unprovable.
+
+A key is scoped to (principal, operation, key). The rule that matters: an
+effect whose outcome cannot be proven is never run again under its key. A
+retry of an ``outcome_unknown`` key is answered ``outcome_unknown`` until an
+operator resolves it, or until its claimant (who knows) completes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from towerd.protocol.errors import (
+    Conflict,
+    IdempotencyConflict,
+    IdempotencyInProgress,
+    IdempotencyKeyUnknown,
+    OutcomeUnknown,
+)
+from towerd.protocol.methods import (
+    IdemClaimParams,
+    IdemClaimResult,
+    IdemListResult,
+    IdemRecord,
+    IdemReleaseResult,
+    IdemResolveResult,
+    KeyCounts,
+)
+from towerd.daemon.store.tx import Tx, pack, pack_canonical, unpack
+
+IN_PROGRESS = "in_progress"
+COMPLETED = "completed"
+OUTCOME_UNKNOWN = "outcome_unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """The process that claimed a key: pid plus start time, so a reused pid is not it."""
+
+    pid: int
+    start: int
+
+
+def payload_hash(payload: Any) -> bytes:
+    """SHA-256 of the canonical (sorted-keys) msgpack encoding; no payload hashes as null."""
+    return hashlib.sha256(pack_canonical(payload)).digest()
+
+
+_RECORD_COLUMNS = (
+    "operation, key, state, effect_ref, result, created_at, updated_at, holder_pid, "
+    "payload_hash, holder_start"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Row:
+    record: IdemRecord
+    payload_hash: bytes
+    holder: Holder | None
+
+
+def _row(values: tuple[Any, ...]) -> _Row:
+    operation, key, state, effect_ref, result, created_at, updated_at, pid, digest, start = values
+    return _Row(
+        record=IdemRecord(
+            operation=operation,
+            key=key,
+            state=state,
+            effect_ref=effect_ref,
+            result=unpack(result),
+            created_at=created_at,
+            updated_at=updated_at,
+            holder_pid=pid,
+        ),
+        payload_hash=digest,
+        holder=None if pid is None or start is None else Holder(pid, start),
+    )
+
+
+def _load(tx: Tx, principal: str, operation: str, key: str) -> _Row | None:
+    values = tx.conn.execute(
+        f"SELECT {_RECORD_COLUMNS} FROM idempotency "
+        "WHERE principal = ? AND operation = ? AND key = ?",
+        (principal, operation, key),
+    ).fetchone()
+    return None if values is None else _row(values)
+
+
+def _require(tx: Tx, principal: str, operation: str, key: str) -> _Row:
+    row = _load(tx, principal, operation, key)
+    if row is None:
+        raise IdempotencyKeyUnknown(
+            f"no idempotency key {key!r} for operation {operation!r}",
+            {"operation": operation, "key": key},
+        )
+    return row
+
+
+def _set_state(tx: Tx, principal: str, row: _Row, state: str, result: Any = None) -> None:
+    tx.conn.execute(
+        "UPDATE idempotency SET state = ?, result = ?, updated_at = ? "
+        "WHERE principal = ? AND operation = ? AND key = ?",
+        (
+            state,
+            pack(result) if state == COMPLETED else None,
+            tx.now,
+            principal,
+            row.record.operation,
+            row.record.key,
+        ),
+    )
+
+
+def _refuse_unsettled(row: _Row, caller: Holder | None) -> None:
+    """The answer to anyone who meets a key that is not completed."""
+    record = row.record
+    if record.state == IN_PROGRESS:
+        raise IdempotencyInProgress(
+            f"key {record.key!r} of {record.operation!r} is in progress (holder pid "
+            f"{record.holder_pid}); wait for it, or retry later",
+            {
+                "effect_ref": record.effect_ref,
+                "holder_pid": record.holder_pid,
+                "held_by_caller": caller is not None and caller == row.holder,
+            },
+        )
+    raise OutcomeUnknown(
+        f"the outcome of key {record.key!r} of {record.operation!r} is unknown; its effect "
+        "is never run again under this key: check the effect, then settle it with idem.resolve",
+        {"effect_ref": record.effect_ref},
+    )
+
+
+def claim(
+    tx: Tx, principal: str, params: IdemClaimParams, holder: Holder | None
+) -> IdemClaimResult:
+    """Claim a key, or answer what it already holds (checked in the documented order)."""
+    digest = payload_hash(params.payload)
+    row = _load(tx, principal, params.operation, params.key)
+    if row is not None:
+        if row.payload_hash != digest:
+            raise IdempotencyConflict(
+                f"key {params.key!r} of {params.operation!r} was claimed with a different "
+                "payload; a retry must send the same payload",
+                {"operation": params.operation, "key": params.key, "state": row.record.state},
+            )
+        if row.record.state == COMPLETED:
+            return IdemClaimResult(COMPLETED, row.record.effect_ref, row.record.result)
+        _refuse_unsettled(row, holder)
+    if params.replay_only:
+        raise IdempotencyKeyUnknown(
+            f"no idempotency key {params.key!r} for operation {params.operation!r} "
+            "(replay_only: nothing recorded)",
+            {"operation": params.operation, "key": params.key},
+        )
+    effect_ref = params.effect_ref or str(uuid.uuid4())
+    insert(tx, principal, params.operation, params.key, digest, IN_PROGRESS, effect_ref, None, holder)
+    return IdemClaimResult("claimed", effect_ref)
+
+
+def insert(
+    tx: Tx,
+    principal: str,
+    operation: str,
+    key: str,
+    digest: bytes,
+    state: str,
+    effect_ref: str,
+    result: Any,
+    holder: Holder | None,
+) -> None:
+    tx.conn.execute(
+        """INSERT INTO idempotency (principal, operation, key, payload_hash, state, effect_ref,
+               result, holder_pid, holder_start, daemon_id, created_at, updated_at)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+        (
+            principal,
+            operation,
+            key,
+            digest,
+            state,
+            effect_ref,
+            pack(result) if state == COMPLETED else None,
+            holder.pid if holder else None,
+            holder.start if holder else None,
+            tx.daemon_id,
+            tx.now,
+            tx.now,
+        ),
+    )
+
+
+def replay_or_refuse(
+    tx: Tx, principal: str, operation: str, key: str, digest: bytes, holder: Holder | None
+) -> Any | None:
+    """For methods that claim and complete in one transaction: the stored result, or None."""
+    row = _load(tx, principal, operation, key)
+    if row is None:
+        return None
+    if row.payload_hash != digest:
+        raise IdempotencyConflict(
+            f"key {key!r} of {operation!r} was used with different params; "
+            "a retry must send the same params",
+            {"operation": operation, "key": key, "state": row.record.state},
+        )
+    if row.record.state == COMPLETED:
+        return row.record.result
+    _refuse_unsettled(row, holder)
+    return None  # unreachable: _refuse_unsettled always raises
+
+
+def complete(tx: Tx, principal: str, operation: str, key: str, result: Any) -> IdemRecord:
+    """Record the outcome. Accepted from ``in_progress`` and from ``outcome_unknown``
+    (the claimant knows what happened); a repeat with the same result is a no-op."""
+    row = _require(tx, principal, operation, key)
+    if row.record.state == COMPLETED:
+        if pack_canonical(row.record.result) != pack_canonical(result):
+            raise Conflict(
+                f"key {key!r} of {operation!r} is already completed with a different result",
+                {"operation": operation, "key": key},
+            )
+        return row.record
+    _set_state(tx, principal, row, COMPLETED, result)
+    return _require(tx, principal, operation, key).record
+
+
+def release(tx: Tx, principal: str, operation: str, key: str) -> IdemReleaseResult:
+    """Drop a key whose effect never started, so a retry runs fresh. Only ``in_progress``."""
+    row = _require(tx, principal, operation, key)
+    if row.record.state == COMPLETED:
+        raise Conflict(
+            f"key {key!r} of {operation!r} is completed; a completed key is never released",
+            {"operation": operation, "key": key},
+        )
+    if row.record.state == OUTCOME_UNKNOWN:
+        _refuse_unsettled(row, None)
+    _delete(tx, principal, operation, key)
+    return IdemReleaseResult(operation=operation, key=key, released=True)
+
+
+def _delete(tx: Tx, principal: str, operation: str, key: str) -> None:
+    tx.conn.execute(
+        "DELETE FROM idempotency WHERE principal = ? AND operation = ? AND key = ?",
+        (principal, operation, key),
+    )
+
+
+def mark_unknown(tx: Tx, principal: str, operation: str, key: str) -> IdemRecord:
+    """The claimant cannot tell whether its effect happened."""
+    row = _require(tx, principal, operation, key)
+    if row.record.state == COMPLETED:
+        raise Conflict(
+            f"key {key!r} of {operation!r} is completed; its outcome is known",
+            {"operation": operation, "key": key},
+        )
+    if row.record.state == IN_PROGRESS:
+        _set_state(tx, principal, row, OUTCOME_UNKNOWN)
+        row = _require(tx, principal, operation, key)
+    return row.record
+
+
+def resolve(
+    tx: Tx, principal: str, operation: str, key: str, outcome: str, result: Any
+) -> IdemResolveResult:
+    """The operator's decision about an ``outcome_unknown`` key, written to the operator log."""
+    row = _require(tx, principal, operation, key)
+    if row.record.state != OUTCOME_UNKNOWN:
+        raise Conflict(
+            f"key {key!r} of {operation!r} is {row.record.state}; only an outcome_unknown key "
+            "is resolved (mark it unknown first if its holder is stuck)",
+            {"operation": operation, "key": key, "state": row.record.state},
+        )
+    record: IdemRecord | None = None
+    if outcome == COMPLETED:
+        _set_state(tx, principal, row, COMPLETED, result)
+        record = _require(tx, principal, operation, key).record
+    else:
+        _delete(tx, principal, operation, key)
+    log_operator_action(
+        tx,
+        principal,
+        "idem.resolve",
+        {"operation": operation, "key": key, "outcome": outcome, "effect_ref": row.record.effect_ref},
+    )
+    return IdemResolveResult(operation=operation, key=key, outcome=outcome, record=record)
+
+
+def log_operator_action(tx: Tx, principal: str, action: str, detail: dict[str, Any]) -> None:
+    tx.conn.execute(
+        "INSERT INTO operator_log (at, daemon_id, principal, action, detail) VALUES (?, ?, ?, ?, ?)",
+        (tx.now, tx.daemon_id, principal, action, json.dumps(detail, sort_keys=True, default=str)),
+    )
+
+
+# --- reads -------------------------------------------------------------------------
+
+
+def get(tx: Tx, principal: str, operation: str, key: str) -> IdemRecord:
+    return _require(tx, principal, operation, key).record
+
+
+def list_keys(
+    tx: Tx, principal: str, state: str | None, operation: str | None, limit: int, cursor: int | None
+) -> IdemListResult:
+    clauses, args = ["principal = ?", "rowid > ?"], [principal, cursor or 0]
+    if state is not None:
+        clauses.append("state = ?")
+        args.append(state)
+    if operation is not None:
+        clauses.append("operation = ?")
+        args.append(operation)
+    rows = tx.conn.execute(
+        f"SELECT rowid, {_RECORD_COLUMNS} FROM idempotency WHERE {' AND '.join(clauses)} "
+        "ORDER BY rowid LIMIT ?",
+        (*args, limit + 1),
+    ).fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return IdemListResult(
+        keys=[_row(values[1:]).record for values in rows],
+        next_cursor=rows[-1][0] if more else None,
+    )
+
+
+def count_by_state(tx: Tx) -> KeyCounts:
+    counts = dict(
+        tx.conn.execute("SELECT state, count(*) FROM idempotency GROUP BY state").fetchall()
+    )
+    return KeyCounts(**counts)
+
+
+def live_holders(tx: Tx) -> list[Holder]:
+    """Distinct holders of this daemon's in-progress keys, for the liveness sweep."""
+    return [
+        Holder(pid, start)
+        for pid, start in tx.conn.execute(
+            """SELECT DISTINCT holder_pid, holder_start FROM idempotency
+               WHERE state = 'in_progress' AND daemon_id = ? AND holder_pid IS NOT NULL""",
+            (tx.daemon_id,),
+        )
+    ]
+
+
+# --- maintenance -----------------------------------------------------------------------
+
+
+def mark_holders_dead(tx: Tx, holders: Iterable[Holder]) -> list[tuple[str, str, str]]:
+    """In-progress keys of dead holders become ``outcome_unknown``; returns the keys moved."""
+    moved: list[tuple[str, str, str]] = []
+    for holder in holders:
+        moved += tx.conn.execute(
+            """UPDATE idempotency SET state = 'outcome_unknown', updated_at = ?
+               WHERE state = 'in_progress' AND daemon_id = ? AND holder_pid = ? AND holder_start = ?
+               RETURNING principal, operation, key""",
+            (tx.now, tx.daemon_id, holder.pid, holder.start),
+        ).fetchall()
+    return moved
+
+
+def expire_completed(tx: Tx, ttl_ms: int) -> int:
+    """Forget completed keys older than the TTL; unsettled keys never expire."""
+    return tx.conn.execute(
+        "DELETE FROM idempotency WHERE state = 'completed' AND updated_at < ?",
+        (tx.now - ttl_ms,),
+    ).rowcount

@@ -1,0 +1,116 @@
+"""Daemon start-up in one transaction: identity, next epoch, own rows, reconciliation.
+
+Runs before the socket accepts a connection. Every key still ``in_progress``
+was held across a daemon that stopped, so its outcome is unknown; then every
+``outcome_unknown`` key whose operation has an evidence probe is checked, and
+a key whose effect left evidence completes with a result rebuilt from it.
+Probes run over all unknown keys, so a probe added later also settles older
+keys.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from towerd.protocol.methods import ReconcileReport
+from towerd.daemon.store.idempotency import COMPLETED, expire_completed
+from towerd.daemon.store.tx import Tx, pack
+
+EvidenceProbe = Callable[[Tx, str], "dict[str, Any] | None"]
+
+
+def _fleet_row_evidence(*columns: str) -> EvidenceProbe:
+    """Evidence = a fleet row whose session id is the key's effect_ref."""
+
+    def probe(tx: Tx, effect_ref: str) -> dict[str, Any] | None:
+        values = tx.conn.execute(
+            f"SELECT session_id, {', '.join(columns)} FROM sessions WHERE session_id = ?"
+            if columns
+            else "SELECT session_id FROM sessions WHERE session_id = ?",
+            (effect_ref,),
+        ).fetchone()
+        if values is None:
+            return None
+        return dict(zip(("session_id", *columns), values, strict=True))
+
+    return probe
+
+
+EVIDENCE_PROBES: dict[str, EvidenceProbe] = {
+    "session.spawn": _fleet_row_evidence("agent_session_id", "target", "target_identity"),
+    "session.register": _fleet_row_evidence(),
+}
+
+
+def mint_or_load_daemon_id(conn: sqlite3.Connection) -> str:
+    row = conn.execute("SELECT value FROM meta WHERE key = 'daemon_id'").fetchone()
+    if row is not None:
+        return row[0]
+    daemon_id = str(uuid.uuid4())
+    conn.execute("INSERT INTO meta (key, value) VALUES ('daemon_id', ?)", (daemon_id,))
+    return daemon_id
+
+
+def start_daemon(
+    conn: sqlite3.Connection,
+    *,
+    daemon_id: str | None,
+    pid: int,
+    host: str,
+    now: int,
+    completed_ttl_ms: int,
+) -> tuple[Tx, ReconcileReport]:
+    """The start-up transaction. Returns the daemon's write context and what it did."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        daemon_id = daemon_id or mint_or_load_daemon_id(conn)
+        epoch = conn.execute(
+            """INSERT INTO daemons (daemon_id, owner_epoch, pid, host, started_at)
+               VALUES (?, 1, ?, ?, ?)
+               ON CONFLICT (daemon_id) DO UPDATE SET owner_epoch = owner_epoch + 1,
+                   pid = excluded.pid, host = excluded.host, started_at = excluded.started_at
+               RETURNING owner_epoch""",
+            (daemon_id, pid, host, now),
+        ).fetchone()[0]
+        tx = Tx(conn=conn, daemon_id=daemon_id, owner_epoch=epoch, now=now)
+        report = ReconcileReport(at=now, owner_epoch=epoch)
+        report.rows_taken = conn.execute(
+            "UPDATE sessions SET owner_epoch = ? WHERE daemon_id = ?", (epoch, daemon_id)
+        ).rowcount
+        report.marked_unknown = conn.execute(
+            """UPDATE idempotency SET state = 'outcome_unknown', updated_at = ?
+               WHERE state = 'in_progress' AND daemon_id = ?""",
+            (now, daemon_id),
+        ).rowcount
+        report.completed_from_evidence, report.still_unknown = settle_from_evidence(tx)
+        report.expired = expire_completed(tx, completed_ttl_ms)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return tx, report
+
+
+def settle_from_evidence(tx: Tx) -> tuple[int, int]:
+    """Complete every unknown key whose effect left evidence; (completed, still unknown)."""
+    unknown = tx.conn.execute(
+        "SELECT rowid, operation, effect_ref FROM idempotency "
+        "WHERE state = 'outcome_unknown' AND daemon_id = ?",
+        (tx.daemon_id,),
+    ).fetchall()
+    completed = 0
+    for rowid, operation, effect_ref in unknown:
+        probe = EVIDENCE_PROBES.get(operation)
+        result = None if probe is None else probe(tx, effect_ref)
+        if result is None:
+            continue
+        tx.conn.execute(
+            "UPDATE idempotency SET state = ?, result = ?, updated_at = ? WHERE rowid = ?",
+            (COMPLETED, pack(result), tx.now, rowid),
+        )
+        completed += 1
+    return completed, len(unknown) - completed

@@ -1,0 +1,241 @@
+"""The schema ladder and the open contract of the state database.
+
+Every schema version is one step of a forward-only ladder, applied in its own
+transaction after a backup copy of the file. A database this code does not
+recognise is refused, never reshaped: one stamped with a newer version, one
+that is not a towerd database, and one whose tables do not have the shape the
+ladder produces. Refusals raise :class:`StartRefused` before anything is
+written to the file.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from towerd.daemon.private_paths import StartRefused
+
+APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
+SCHEMA_VERSION = 1
+
+
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    summary: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "daemon identity, fleet rows with ownership, idempotency keys, operator log",
+        (
+            f"PRAGMA application_id = {APPLICATION_ID}",
+            """CREATE TABLE meta (
+                key TEXT PRIMARY KEY,
+                value TEXT NOT NULL
+            ) STRICT""",
+            """CREATE TABLE daemons (
+                daemon_id TEXT PRIMARY KEY,
+                owner_epoch INTEGER NOT NULL CHECK (owner_epoch >= 1),
+                pid INTEGER NOT NULL,
+                host TEXT NOT NULL,
+                started_at INTEGER NOT NULL
+            ) STRICT""",
+            """CREATE TABLE sessions (
+                session_id TEXT PRIMARY KEY,
+                agent_session_id TEXT,
+                name TEXT,
+                cwd TEXT NOT NULL,
+                agent TEXT NOT NULL,
+                pinned INTEGER NOT NULL DEFAULT 0 CHECK (pinned IN (0, 1)),
+                last_attached_at INTEGER,
+                exited INTEGER NOT NULL DEFAULT 0 CHECK (exited IN (0, 1)),
+                parent TEXT,
+                prompt TEXT,
+                result TEXT,
+                transcript_path TEXT,
+                model TEXT,
+                effort TEXT,
+                target TEXT,
+                target_identity TEXT,
+                daemon_id TEXT NOT NULL,
+                owner_epoch INTEGER NOT NULL,
+                updated_at INTEGER NOT NULL
+            ) STRICT""",
+            "CREATE INDEX sessions_by_daemon ON sessions (daemon_id)",
+            "CREATE INDEX sessions_by_parent ON sessions (parent) WHERE parent IS NOT NULL",
+            """CREATE UNIQUE INDEX sessions_by_agent_session
+                ON sessions (daemon_id, agent_session_id) WHERE agent_session_id IS NOT NULL""",
+            """CREATE TABLE idempotency (
+                principal TEXT NOT NULL,
+                operation TEXT NOT NULL,
+                key TEXT NOT NULL,
+                payload_hash BLOB NOT NULL,
+                state TEXT NOT NULL
+                    CHECK (state IN ('in_progress', 'completed', 'outcome_unknown')),
+                effect_ref TEXT NOT NULL,
+                result BLOB,
+                holder_pid INTEGER,
+                holder_start INTEGER,
+                daemon_id TEXT NOT NULL,
+                created_at INTEGER NOT NULL,
+                updated_at INTEGER NOT NULL,
+                PRIMARY KEY (principal, operation, key)
+            ) STRICT""",
+            "CREATE INDEX idempotency_by_state ON idempotency (state, updated_at)",
+            """CREATE TABLE operator_log (
+                at INTEGER NOT NULL,
+                daemon_id TEXT NOT NULL,
+                principal TEXT NOT NULL,
+                action TEXT NOT NULL,
+                detail TEXT NOT NULL
+            ) STRICT""",
+        ),
+    ),
+)
+
+assert [m.version for m in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1))
+
+
+def check_header(conn: sqlite3.Connection, db_path: Path) -> int:
+    """Refuse a file that is not ours or is newer; return its schema version.
+
+    Reads only: nothing is written before the file passes these checks.
+    """
+    try:
+        application_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = [
+            row[0]
+            for row in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+            )
+        ]
+    except sqlite3.DatabaseError as exc:
+        raise StartRefused(f"{db_path}: not a readable SQLite database ({exc})") from None
+    if application_id == 0:
+        if version != 0 or tables:
+            raise StartRefused(
+                f"{db_path}: not a towerd database (no towerd stamp, tables {sorted(tables)}); "
+                "move it away or point --state-dir elsewhere"
+            )
+        return 0
+    if application_id != APPLICATION_ID:
+        raise StartRefused(
+            f"{db_path}: not a towerd database (application_id {application_id:#x})"
+        )
+    if version > SCHEMA_VERSION:
+        raise StartRefused(
+            f"{db_path}: database schema version {version} is newer than this towerd "
+            f"supports (schema version {SCHEMA_VERSION}); upgrade towerd, or restore a backup "
+            "made for this version"
+        )
+    return version
+
+
+def check_integrity(conn: sqlite3.Connection, db_path: Path) -> None:
+    """Refuse a damaged file before any write could spread the damage."""
+    try:
+        rows = [row[0] for row in conn.execute("PRAGMA quick_check")]
+    except sqlite3.DatabaseError as exc:
+        raise StartRefused(f"{db_path}: PRAGMA quick_check failed: {exc}") from None
+    if rows != ["ok"]:
+        raise StartRefused(f"{db_path}: PRAGMA quick_check failed: {'; '.join(rows[:5])}")
+
+
+def migrate(conn: sqlite3.Connection, from_version: int, db_path: Path, backup_dir: Path) -> None:
+    """Climb the ladder from ``from_version``, one transaction per step."""
+    if from_version == SCHEMA_VERSION:
+        return
+    if from_version > 0:
+        backup_copy(conn, backup_dir / f"towerd-v{from_version}-{int(time.time())}.db")
+    for migration in MIGRATIONS[from_version:]:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in migration.statements:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {migration.version}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+
+def backup_copy(conn: sqlite3.Connection, target: Path) -> None:
+    """A consistent copy through SQLite's backup API (safe while the file is open)."""
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    copy = sqlite3.connect(target)
+    try:
+        conn.backup(copy)
+    finally:
+        copy.close()
+    target.chmod(0o600)
+
+
+Shape = dict[str, tuple[tuple[tuple[object, ...], ...], frozenset[str]]]
+
+
+def shape_of(conn: sqlite3.Connection) -> Shape:
+    """Tables with their columns (name, type, not null, default, pk) and index names."""
+    shape: Shape = {}
+    tables = conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+    ).fetchall()
+    for (table,) in tables:
+        columns = tuple(
+            tuple(row[1:]) for row in conn.execute(f"PRAGMA table_info({_quote(table)})")
+        )
+        indexes = frozenset(
+            row[1]
+            for row in conn.execute(f"PRAGMA index_list({_quote(table)})")
+            if not row[1].startswith("sqlite_autoindex")
+        )
+        shape[table] = (columns, indexes)
+    return shape
+
+
+def expected_shape() -> Shape:
+    """The shape the ladder produces, built on a scratch in-memory database."""
+    scratch = sqlite3.connect(":memory:", isolation_level=None)
+    try:
+        for migration in MIGRATIONS:
+            for statement in migration.statements:
+                scratch.execute(statement)
+        return shape_of(scratch)
+    finally:
+        scratch.close()
+
+
+def check_shape(conn: sqlite3.Connection, db_path: Path) -> None:
+    """Refuse a database whose tables differ from what the ladder makes."""
+    actual, expected = shape_of(conn), expected_shape()
+    problems = []
+    for table in sorted(expected.keys() - actual.keys()):
+        problems.append(f"table {table} is missing")
+    for table in sorted(actual.keys() - expected.keys()):
+        problems.append(f"unexpected table {table}")
+    for table in sorted(expected.keys() & actual.keys()):
+        (want_columns, want_indexes), (have_columns, have_indexes) = expected[table], actual[table]
+        if want_columns != have_columns:
+            problems.append(
+                f"table {table} has columns {[c[0] for c in have_columns]}, "
+                f"expected {[c[0] for c in want_columns]} (or different types/constraints)"
+            )
+        if want_indexes != have_indexes:
+            problems.append(
+                f"table {table} has indexes {sorted(have_indexes)}, expected {sorted(want_indexes)}"
+            )
+    if problems:
+        raise StartRefused(
+            f"{db_path}: tables do not have the shape towerd expects: {'; '.join(problems)}"
+        )
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'

@@ -1,0 +1,284 @@
+"""The state store's async face: one writer with group commit, one reader.
+
+Each store function is plain synchronous SQL on a ``Tx``; this module decides
+where and how it runs. Writes queue up for a single writer task, which takes
+every pending write, runs the whole batch in one transaction in one hop to
+the database thread, commits once (``synchronous=FULL``) and only then
+answers each caller. A failing write is rolled back to its own savepoint and
+fails alone; if SQLite abandons the whole transaction (disk full), every
+write of the batch fails and none is acknowledged. Reads run on their own
+connection and never wait behind the writer.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+import anyio
+
+from towerd.protocol.errors import StaleEpoch, Unavailable
+from towerd.protocol.methods import ReconcileReport
+from towerd.daemon.private_paths import check_private, ensure_private_dir
+from towerd.daemon.store import schema
+from towerd.daemon.store.reconcile import start_daemon
+from towerd.daemon.store.tx import Tx, now_ms, translate_sqlite_error
+
+T = TypeVar("T")
+
+DB_FILE = "towerd.db"
+BACKUP_DIR = "backups"
+DAY_MS = 24 * 60 * 60 * 1000
+BUSY_TIMEOUT_MS = 5000
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    state_dir: Path
+    completed_ttl_ms: int = DAY_MS
+    max_batch: int = 256
+    # Open the store as this daemon id instead of the state dir's own (several
+    # daemons sharing one store; tests of ownership between daemons).
+    daemon_id: str | None = None
+
+
+class _DbThread:
+    """One SQLite connection living on one aiosqlite worker thread.
+
+    aiosqlite has no public call for "run this function on your thread", and
+    one hop per transaction instead of one per statement is what makes
+    durable writes fast (see ../shared/stack-notes.md), so this wrapper is
+    the single place that uses its ``_execute``; ``aiosqlite`` is pinned to
+    a minor version in pyproject.toml for that reason.
+    """
+
+    def __init__(self, connection: aiosqlite.Connection) -> None:
+        self._connection = connection
+
+    @classmethod
+    async def open(cls, db_path: Path) -> _DbThread:
+        connection = await aiosqlite.connect(db_path, isolation_level=None)
+        return cls(connection)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        connection = self._connection
+        return await connection._execute(lambda: fn(connection._conn, *args))
+
+    async def close(self) -> None:
+        await self._connection.close()
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    done: anyio.Event = field(default_factory=anyio.Event)
+    result: Any = None
+    error: BaseException | None = None
+
+
+class Store:
+    """Where handlers send reads and writes. Obtain one with :func:`open_store`."""
+
+    def __init__(
+        self,
+        config: StoreConfig,
+        writer: _DbThread,
+        reader: _DbThread,
+        identity: Tx,
+        reconciliation: ReconcileReport,
+        db_path: Path,
+    ) -> None:
+        self.config = config
+        self.daemon_id = identity.daemon_id
+        self.owner_epoch = identity.owner_epoch
+        self.reconciliation = reconciliation
+        self.db_path = db_path
+        self.superseded = anyio.Event()
+        self._writer = writer
+        self._reader = reader
+        self._queue: list[_Job] = []
+        self._wakeup = anyio.Event()
+        self._closing = False
+        self._superseded_by: tuple[int] | None = None
+
+    # --- the API handlers use ------------------------------------------------------
+
+    async def write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(tx, *args)`` in the next committed batch; return once it is durable."""
+        if self._closing or self.superseded.is_set():
+            raise Unavailable("towerd is shutting down; retry against the next daemon")
+        job = _Job(fn, args)
+        self._queue.append(job)
+        self._wakeup.set()
+        await job.done.wait()
+        if job.error is not None:
+            raise _as_wire_error(job.error)
+        return job.result
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(tx, *args)`` on the read connection (sees committed data only)."""
+
+        def run(conn: sqlite3.Connection) -> T:
+            return fn(Tx(conn, self.daemon_id, self.owner_epoch, now_ms()), *args)
+
+        try:
+            return await self._reader.run(run)
+        except sqlite3.Error as exc:
+            raise _as_wire_error(exc) from exc
+
+    # --- the writer ------------------------------------------------------------------
+
+    async def _write_batches(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                await self._wakeup.wait()
+                self._wakeup = anyio.Event()
+                continue
+            batch = self._queue[: self.config.max_batch]
+            del self._queue[: self.config.max_batch]
+            with anyio.CancelScope(shield=True):
+                await self._writer.run(self._run_batch, batch)
+            for job in batch:
+                job.done.set()
+            if self._superseded_by is not None:
+                self.superseded.set()
+
+    def _run_batch(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:
+        """On the database thread: one transaction, one savepoint per job, one commit."""
+        tx = Tx(conn, self.daemon_id, self.owner_epoch, now_ms())
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            current = conn.execute(
+                "SELECT owner_epoch FROM daemons WHERE daemon_id = ?", (self.daemon_id,)
+            ).fetchone()
+            if current is None or current[0] != self.owner_epoch:
+                conn.execute("ROLLBACK")
+                self._superseded_by = current
+                _fail_all(jobs, self._stale_epoch_error(current))
+                return
+            for job in jobs:
+                conn.execute("SAVEPOINT request")
+                try:
+                    job.result = job.fn(tx, *job.args)
+                except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+                    job.error = exc
+                    if not conn.in_transaction:
+                        # SQLite rolled the whole transaction back (disk full, I/O error).
+                        _fail_all(jobs, exc)
+                        return
+                    conn.execute("ROLLBACK TO request")
+                conn.execute("RELEASE request")
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            _fail_all(jobs, exc)
+
+    def _stale_epoch_error(self, current: tuple[int] | None) -> StaleEpoch:
+        newer = "gone" if current is None else f"at epoch {current[0]}"
+        return StaleEpoch(
+            f"daemon {self.daemon_id} at epoch {self.owner_epoch} has been superseded "
+            f"(its record is {newer}); this process stops serving writes and exits",
+            {"daemon_id": self.daemon_id, "epoch": self.owner_epoch},
+        )
+
+    def _close_queue(self) -> None:
+        self._closing = True
+        self._wakeup.set()
+
+
+def _fail_all(jobs: list[_Job], cause: BaseException) -> None:
+    for job in jobs:
+        job.result = None
+        job.error = cause
+
+
+def _as_wire_error(exc: BaseException) -> BaseException:
+    """SQLite errors become the wire error they mean; anything else passes as is."""
+    if isinstance(exc, sqlite3.Error):
+        translated = translate_sqlite_error(exc)
+        if translated is not None:
+            return translated
+    return exc
+
+
+# --- opening ---------------------------------------------------------------------------
+
+
+def _create_private_file(path: Path) -> None:
+    """Create the DB file 0600 ourselves, so SQLite (and its -wal/-shm) inherit the mode."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
+
+
+def _open_writer(
+    conn: sqlite3.Connection, config: StoreConfig, db_path: Path
+) -> tuple[Tx, ReconcileReport]:
+    """Header checks, integrity, pragmas, migrations, shape, then the start-up transaction."""
+    version = schema.check_header(conn, db_path)
+    if version > 0:
+        schema.check_integrity(conn, db_path)
+    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    if mode != "wal":
+        raise schema.StartRefused(f"{db_path}: cannot switch to WAL journaling (got {mode!r})")
+    conn.execute("PRAGMA synchronous = FULL")
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    schema.migrate(conn, version, db_path, config.state_dir / BACKUP_DIR)
+    schema.check_shape(conn, db_path)
+    return start_daemon(
+        conn,
+        daemon_id=config.daemon_id,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        now=now_ms(),
+        completed_ttl_ms=config.completed_ttl_ms,
+    )
+
+
+def _open_reader(conn: sqlite3.Connection) -> None:
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA query_only = 1")
+
+
+@asynccontextmanager
+async def open_store(config: StoreConfig) -> AsyncIterator[Store]:
+    """Open (creating or migrating) the store, start this daemon's epoch, reconcile.
+
+    Raises ``StartRefused`` for a database that must not be touched. On exit,
+    pending writes are committed and both connections closed.
+    """
+    state_dir = ensure_private_dir(config.state_dir, "state dir")
+    db_path = state_dir / DB_FILE
+    check_private(db_path, "state database", want_dir=False)
+    _create_private_file(db_path)
+    writer = await _DbThread.open(db_path)
+    try:
+        identity, report = await writer.run(_open_writer, config, db_path)
+        reader = await _DbThread.open(db_path)
+        try:
+            await reader.run(_open_reader)
+            store = Store(config, writer, reader, identity, report, db_path)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(store._write_batches)
+                try:
+                    yield store
+                finally:
+                    store._close_queue()
+        finally:
+            await reader.close()
+    finally:
+        await writer.close()
+

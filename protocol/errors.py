@@ -1,0 +1,157 @@
+"""The closed set of error codes, and one exception class per code.
+
+Both ends raise and catch these: the daemon raises them from handlers and
+the store, the clients rebuild them from error frames. A code this version
+does not know (a newer daemon) becomes :class:`Internal`, keeping the
+original code in ``data["code"]`` and the message as sent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TowerdError(Exception):
+    """An error with a wire code. ``data`` carries machine-readable details."""
+
+    code = "internal"
+
+    def __init__(self, message: str, data: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r}, data={self.data!r})"
+
+    def to_wire(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            body["data"] = self.data
+        return body
+
+
+class BadFrame(TowerdError):
+    """The frame could not be decoded as a request envelope."""
+
+    code = "bad_frame"
+
+
+class FrameTooLarge(TowerdError):
+    """The length prefix announced more than the peer accepts."""
+
+    code = "frame_too_large"
+
+
+class ProtocolMismatch(TowerdError):
+    """Client and daemon speak different protocol versions."""
+
+    code = "protocol_mismatch"
+
+
+class Unauthorized(TowerdError):
+    """No hello yet, or a peer of another uid."""
+
+    code = "unauthorized"
+
+
+class UnknownMethod(TowerdError):
+    code = "unknown_method"
+
+
+class BadArgs(TowerdError):
+    """Params failed validation; the message carries msgspec's path."""
+
+    code = "bad_args"
+
+
+class NotFound(TowerdError):
+    code = "not_found"
+
+
+class Conflict(TowerdError):
+    """The request contradicts the stored state (duplicate id, wrong state)."""
+
+    code = "conflict"
+
+
+class StaleEpoch(TowerdError):
+    """The write touches rows of another daemon or a later owner epoch."""
+
+    code = "stale_epoch"
+
+
+class IdempotencyConflict(TowerdError):
+    """The key is known with a different payload."""
+
+    code = "idempotency_conflict"
+
+
+class IdempotencyInProgress(TowerdError):
+    """Someone holds the key and has not finished; ``data.effect_ref``."""
+
+    code = "idempotency_in_progress"
+
+
+class OutcomeUnknown(TowerdError):
+    """The effect under this key may or may not have happened: never re-run it."""
+
+    code = "outcome_unknown"
+
+
+class IdempotencyKeyUnknown(TowerdError):
+    """A replay-only claim found no record."""
+
+    code = "idempotency_key_unknown"
+
+
+class StorageFull(TowerdError):
+    """The disk is full; nothing was written."""
+
+    code = "storage_full"
+
+
+class Unavailable(TowerdError):
+    """The daemon cannot be reached, or is shutting down."""
+
+    code = "unavailable"
+
+
+class Internal(TowerdError):
+    """A bug on the other side; the message says what, the log says more."""
+
+    code = "internal"
+
+
+_CLASSES: dict[str, type[TowerdError]] = {
+    cls.code: cls
+    for cls in (
+        BadFrame,
+        FrameTooLarge,
+        ProtocolMismatch,
+        Unauthorized,
+        UnknownMethod,
+        BadArgs,
+        NotFound,
+        Conflict,
+        StaleEpoch,
+        IdempotencyConflict,
+        IdempotencyInProgress,
+        OutcomeUnknown,
+        IdempotencyKeyUnknown,
+        StorageFull,
+        Unavailable,
+        Internal,
+    )
+}
+
+ERROR_CODES: frozenset[str] = frozenset(_CLASSES)
+
+
+def error_for_code(code: str, message: str, data: dict[str, Any] | None = None) -> TowerdError:
+    """Rebuild the exception an error frame describes."""
+    cls = _CLASSES.get(code)
+    if cls is None:
+        data = {**(data or {}), "code": code}
+        return Internal(message, data)
+    return cls(message, data)

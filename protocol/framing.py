@@ -1,0 +1,79 @@
+"""Length-prefixed framing: a 4-byte big-endian length N, then N payload bytes.
+
+The decoder is incremental and allocation-aware: it checks the length prefix
+against the limit *before* buffering a single payload byte, so a peer that
+announces 4 GiB costs us nothing but an error.
+"""
+
+from __future__ import annotations
+
+import struct
+
+DEFAULT_MAX_FRAME = 1024 * 1024  # 1 MiB
+PREFIX = struct.Struct(">I")
+PREFIX_SIZE = PREFIX.size
+
+
+class FrameTooLargeError(ValueError):
+    """The peer announced a frame longer than the limit."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(f"frame of {length} bytes exceeds the limit of {limit} bytes")
+        self.length = length
+        self.limit = limit
+
+
+def encode_frame(payload: bytes) -> bytes:
+    """Prefix ``payload`` with its length."""
+    return PREFIX.pack(len(payload)) + payload
+
+
+class FrameDecoder:
+    """Turns arbitrary chunks of a byte stream into whole frame payloads.
+
+    Feed it whatever ``recv`` returned (split, merged, one byte at a time);
+    it returns the payloads completed so far. After a ``FrameTooLargeError``
+    the stream is out of sync and the decoder must not be fed again.
+    """
+
+    __slots__ = ("_buffer", "_need", "max_frame")
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._buffer = bytearray()
+        self.max_frame = max_frame  # may be raised later (a client learns it from hello)
+        self._need: int | None = None  # payload length of the frame in progress
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as a frame."""
+        return len(self._buffer)
+
+    @property
+    def in_frame(self) -> bool:
+        """True while a frame has started but not finished."""
+        return bool(self._buffer) or self._need is not None
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buffer += data
+        frames: list[bytes] = []
+        buffer = self._buffer
+        offset = 0
+        while True:
+            if self._need is None:
+                if len(buffer) - offset < PREFIX_SIZE:
+                    break
+                (length,) = PREFIX.unpack_from(buffer, offset)
+                if length > self.max_frame:
+                    del buffer[:offset]
+                    raise FrameTooLargeError(length, self.max_frame)
+                offset += PREFIX_SIZE
+                self._need = length
+            if len(buffer) - offset < self._need:
+                break
+            end = offset + self._need
+            frames.append(bytes(buffer[offset:end]))
+            offset = end
+            self._need = None
+        if offset:
+            del buffer[:offset]
+        return frames

@@ -1,0 +1,422 @@
+"""One msgspec Struct per method's params and result, and the closed method table.
+
+The daemon decodes every request's params straight into the method's params
+Struct, so validation happens once, at the boundary, with msgspec's path
+messages (``Expected `int`, got `str` - at `$.limit```). Unknown fields are
+ignored so that newer clients can talk to older daemons. Timestamps are
+integer milliseconds since the Unix epoch (UTC), never msgpack timestamps.
+
+Clients do not import this module (it costs start-up time in short-lived
+hooks); it is the reference the daemon and ``docs/protocol.md`` follow.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+# --- shared field types ------------------------------------------------------
+
+UUID_PATTERN = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+
+SessionId = Annotated[str, Meta(pattern=UUID_PATTERN, description="lowercase hyphenated UUID")]
+Millis = Annotated[int, Meta(ge=0, description="milliseconds since the Unix epoch, UTC")]
+Operation = Annotated[str, Meta(min_length=1, max_length=128)]
+IdemKey = Annotated[str, Meta(min_length=1, max_length=255)]
+EffectRef = Annotated[str, Meta(min_length=1, max_length=255)]
+Pid = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+PageLimit = Annotated[int, Meta(ge=1, le=5000)]
+Cursor = Annotated[int, Meta(ge=0)]
+IdemState = Literal["in_progress", "completed", "outcome_unknown"]
+
+DEFAULT_PAGE_LIMIT = 500
+
+
+def _require_printable(field: str, value: str | None) -> None:
+    if value is not None and not value.isprintable():
+        raise ValueError(f"`{field}` must contain printable characters only")
+
+
+class Empty(Struct):
+    """Params of a method that takes none (extra fields are ignored)."""
+
+
+# --- handshake and daemon ----------------------------------------------------
+
+
+class HelloParams(Struct):
+    protocol: int
+    client: Annotated[str, Meta(max_length=256)]
+    principal: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+
+    def __post_init__(self) -> None:
+        _require_printable("principal", self.principal)
+
+
+class ServerInfo(Struct):
+    name: str
+    version: str
+
+
+class HelloResult(Struct):
+    daemon_id: str
+    owner_epoch: int
+    protocol: int
+    server: ServerInfo
+    max_frame: int
+    features: list[str]
+    principal: str
+
+
+class PingResult(Struct):
+    pong: bool
+    now: Millis
+
+
+class KeyCounts(Struct):
+    in_progress: int = 0
+    completed: int = 0
+    outcome_unknown: int = 0
+
+
+class ReconcileReport(Struct):
+    """What startup reconciliation did, as logged and reported by ``status``."""
+
+    at: Millis
+    owner_epoch: int
+    rows_taken: int = 0
+    marked_unknown: int = 0
+    completed_from_evidence: int = 0
+    still_unknown: int = 0
+    expired: int = 0
+
+
+class StatusResult(Struct):
+    daemon_id: str
+    owner_epoch: int
+    pid: int
+    version: str
+    protocol: int
+    started_at: Millis
+    uptime_ms: int
+    db_path: str
+    socket_path: str
+    sessions: int
+    keys: KeyCounts
+    reconciliation: ReconcileReport
+
+
+class ShutdownResult(Struct):
+    stopping: bool
+
+
+# --- fleet -------------------------------------------------------------------
+
+
+class SessionRow(Struct):
+    """One fleet row as clients see it: the session's fields plus its ownership."""
+
+    session_id: str
+    agent_session_id: str | None
+    name: str | None
+    cwd: str
+    agent: str
+    pinned: bool
+    last_attached_at: Millis | None
+    exited: bool
+    parent: str | None
+    prompt: str | None
+    result: str | None
+    transcript_path: str | None
+    model: str | None
+    effort: str | None
+    target: str | None
+    target_identity: str | None
+    daemon_id: str
+    owner_epoch: int
+    updated_at: Millis
+
+
+# Fields a caller may set on a session, in storage order (ownership excluded).
+SESSION_FIELDS = (
+    "agent_session_id",
+    "name",
+    "cwd",
+    "agent",
+    "pinned",
+    "last_attached_at",
+    "exited",
+    "parent",
+    "prompt",
+    "result",
+    "transcript_path",
+    "model",
+    "effort",
+    "target",
+    "target_identity",
+)
+
+
+class SessionEntry(Struct):
+    """A whole session as ``fleet.write`` replaces it (fields left out are cleared)."""
+
+    session_id: SessionId
+    cwd: str
+    agent: str
+    agent_session_id: str | None = None
+    name: str | None = None
+    pinned: bool = False
+    last_attached_at: Millis | None = None
+    exited: bool = False
+    parent: SessionId | None = None
+    prompt: str | None = None
+    result: str | None = None
+    transcript_path: str | None = None
+    model: str | None = None
+    effort: str | None = None
+    target: str | None = None
+    target_identity: str | None = None
+
+
+class SessionRegisterParams(Struct):
+    cwd: str
+    agent: str
+    session_id: SessionId | None = None
+    agent_session_id: str | None = None
+    name: str | None = None
+    pinned: bool = False
+    last_attached_at: Millis | None = None
+    exited: bool = False
+    parent: SessionId | None = None
+    prompt: str | None = None
+    result: str | None = None
+    transcript_path: str | None = None
+    model: str | None = None
+    effort: str | None = None
+    target: str | None = None
+    target_identity: str | None = None
+    idempotency_key: IdemKey | None = None
+
+    def __post_init__(self) -> None:
+        _require_printable("idempotency_key", self.idempotency_key)
+
+
+class SessionRegisterResult(Struct):
+    session_id: str
+
+
+class SessionUpdateParams(Struct):
+    """Only the fields present are rewritten; ``null`` clears a nullable field."""
+
+    session_id: SessionId
+    agent_session_id: str | None | UnsetType = UNSET
+    name: str | None | UnsetType = UNSET
+    cwd: str | UnsetType = UNSET
+    agent: str | UnsetType = UNSET
+    pinned: bool | UnsetType = UNSET
+    last_attached_at: Millis | None | UnsetType = UNSET
+    exited: bool | UnsetType = UNSET
+    parent: SessionId | None | UnsetType = UNSET
+    prompt: str | None | UnsetType = UNSET
+    result: str | None | UnsetType = UNSET
+    transcript_path: str | None | UnsetType = UNSET
+    model: str | None | UnsetType = UNSET
+    effort: str | None | UnsetType = UNSET
+    target: str | None | UnsetType = UNSET
+    target_identity: str | None | UnsetType = UNSET
+
+    def given_fields(self) -> dict[str, Any]:
+        return {
+            name: value
+            for name in SESSION_FIELDS
+            if (value := getattr(self, name)) is not UNSET
+        }
+
+
+class SessionIdParams(Struct):
+    session_id: SessionId
+
+
+class SessionRemoveResult(Struct):
+    session_id: str
+    removed: bool
+
+
+class FleetListParams(Struct):
+    limit: PageLimit = DEFAULT_PAGE_LIMIT
+    cursor: Cursor | None = None
+
+
+class FleetListResult(Struct):
+    sessions: list[SessionRow]
+    next_cursor: int | None = None
+
+
+class FleetWriteParams(Struct):
+    sessions: list[SessionEntry] = []
+    removed: list[SessionId] = []
+
+
+class FleetWriteResult(Struct):
+    written: int
+    removed: int
+    dropped: list[str]
+    relinked: int
+
+
+class LegacyImportParams(Struct):
+    """Entries of a legacy fleet file; each is validated on its own."""
+
+    entries: list[Any]
+
+
+class LegacySkip(Struct):
+    index: int
+    reason: str
+    agent_session_id: str | None = None
+
+
+class LegacyImported(Struct):
+    agent_session_id: str
+    session_id: str
+
+
+class LegacyImportResult(Struct):
+    imported: int
+    skipped: int
+    skips: list[LegacySkip]
+    sessions: list[LegacyImported]
+
+
+class FleetAdoptParams(Struct):
+    daemon_id: Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class FleetAdoptResult(Struct):
+    adopted: int
+    from_daemon_id: str
+    daemon_id: str
+    owner_epoch: int
+
+
+# --- idempotency ---------------------------------------------------------------
+
+
+class IdemKeyParams(Struct):
+    operation: Operation
+    key: IdemKey
+
+    def __post_init__(self) -> None:
+        _require_printable("operation", self.operation)
+        _require_printable("key", self.key)
+
+
+class IdemClaimParams(IdemKeyParams):
+    payload: Any = None
+    effect_ref: EffectRef | None = None
+    holder_pid: Pid | None = None
+    replay_only: bool = False
+
+
+class IdemClaimResult(Struct, omit_defaults=True):
+    state: Literal["claimed", "completed"]
+    effect_ref: str
+    result: Any = None
+
+
+class IdemCompleteParams(IdemKeyParams):
+    result: Any = None
+
+
+class IdemReleaseResult(Struct):
+    operation: str
+    key: str
+    released: bool
+
+
+class IdemListParams(Struct):
+    state: IdemState | None = None
+    operation: Operation | None = None
+    limit: PageLimit = DEFAULT_PAGE_LIMIT
+    cursor: Cursor | None = None
+
+
+class IdemRecord(Struct):
+    operation: str
+    key: str
+    state: IdemState
+    effect_ref: str
+    result: Any
+    created_at: Millis
+    updated_at: Millis
+    holder_pid: int | None
+
+
+class IdemListResult(Struct):
+    keys: list[IdemRecord]
+    next_cursor: int | None = None
+
+
+class IdemResolveParams(IdemKeyParams):
+    outcome: Literal["completed", "abandoned"]
+    result: Any = None
+
+
+class IdemResolveResult(Struct):
+    operation: str
+    key: str
+    outcome: str
+    record: IdemRecord | None
+
+
+# --- the method table ------------------------------------------------------------
+
+
+class MethodSpec(Struct, frozen=True):
+    params: type
+    result: type
+    writes: bool
+    summary: str
+
+
+METHODS: dict[str, MethodSpec] = {
+    "hello": MethodSpec(HelloParams, HelloResult, False, "handshake; must be the first request"),
+    "ping": MethodSpec(Empty, PingResult, False, "liveness check"),
+    "status": MethodSpec(Empty, StatusResult, False, "daemon identity, counts, last reconciliation"),
+    "shutdown": MethodSpec(Empty, ShutdownResult, False, "stop gracefully after in-flight requests"),
+    "session.register": MethodSpec(
+        SessionRegisterParams, SessionRegisterResult, True, "insert one fleet row"
+    ),
+    "session.update": MethodSpec(SessionUpdateParams, SessionRow, True, "rewrite given fields"),
+    "session.remove": MethodSpec(SessionIdParams, SessionRemoveResult, True, "delete one row"),
+    "fleet.list": MethodSpec(FleetListParams, FleetListResult, False, "this daemon's rows, paged"),
+    "fleet.get": MethodSpec(SessionIdParams, SessionRow, False, "one row"),
+    "fleet.write": MethodSpec(FleetWriteParams, FleetWriteResult, True, "replace given rows"),
+    "fleet.import_legacy": MethodSpec(
+        LegacyImportParams, LegacyImportResult, True, "import a legacy fleet file"
+    ),
+    "fleet.adopt": MethodSpec(
+        FleetAdoptParams, FleetAdoptResult, True, "take over another daemon's rows"
+    ),
+    "idem.claim": MethodSpec(IdemClaimParams, IdemClaimResult, True, "claim a key"),
+    "idem.complete": MethodSpec(IdemCompleteParams, IdemRecord, True, "record the outcome"),
+    "idem.release": MethodSpec(
+        IdemKeyParams, IdemReleaseResult, True, "drop a key whose effect never started"
+    ),
+    "idem.mark_unknown": MethodSpec(
+        IdemKeyParams, IdemRecord, True, "declare the outcome unknown"
+    ),
+    "idem.get": MethodSpec(IdemKeyParams, IdemRecord, False, "one key"),
+    "idem.list": MethodSpec(IdemListParams, IdemListResult, False, "keys, paged"),
+    "idem.resolve": MethodSpec(
+        IdemResolveParams, IdemResolveResult, True, "operator recovery of an unknown outcome"
+    ),
+}
+
+FEATURES = ["fleet", "idempotency", "pipelining", "paging"]
+
+
+def params_decoder(method: str) -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(METHODS[method].params)
