@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from towerd.protocol.fields import SESSION_FIELDS
+
 # --- shared field types ------------------------------------------------------
 
 UUID_PATTERN = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
@@ -137,26 +139,6 @@ class SessionRow(Struct):
     daemon_id: str
     owner_epoch: int
     updated_at: Millis
-
-
-# Fields a caller may set on a session, in storage order (ownership excluded).
-SESSION_FIELDS = (
-    "agent_session_id",
-    "name",
-    "cwd",
-    "agent",
-    "pinned",
-    "last_attached_at",
-    "exited",
-    "parent",
-    "prompt",
-    "result",
-    "transcript_path",
-    "model",
-    "effort",
-    "target",
-    "target_identity",
-)
 
 
 class SessionEntry(Struct):

@@ -1,0 +1,362 @@
+"""``towerctl``: drive towerd from a shell or a hook.
+
+Global options come before the subcommand: ``--socket``, ``--json``,
+``--principal``, ``--timeout``. With ``--json`` the result is printed as JSON
+on stdout, and an error as ``{"error": {"code", "message", "data"}}`` on
+stdout; without it, readable text on stdout and errors on stderr.
+
+Exit status: 0 success, 1 the daemon answered an error, 2 bad usage,
+3 the daemon could not be reached.
+
+Runs inside hooks on every agent event, so it imports only the blocking
+client (no anyio, structlog or aiosqlite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from towerd.protocol.errors import TowerdError, Unavailable
+from towerd.protocol.fields import IDEM_STATES, SESSION_FIELDS
+from towerd.client.sync import Client
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+
+Command = Callable[[Client, argparse.Namespace], Any]
+
+
+class UsageError(Exception):
+    """Bad command-line input that argparse cannot see (invalid JSON, unreadable file)."""
+
+
+# --- argument helpers ------------------------------------------------------------------
+
+
+def _json_arg(text: str | None, what: str) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{what} is not valid JSON: {exc}") from None
+
+
+_SESSION_TEXT_FIELDS = [
+    name for name in SESSION_FIELDS if name not in ("pinned", "exited", "last_attached_at", "cwd", "agent")
+]
+
+
+def _add_session_field_options(parser: argparse.ArgumentParser, *, for_update: bool) -> None:
+    for name in _SESSION_TEXT_FIELDS:
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None)
+    if for_update:
+        parser.add_argument("--cwd", default=None)
+        parser.add_argument("--agent", default=None)
+    parser.add_argument("--last-attached-at", dest="last_attached_at", type=int, default=None,
+                        metavar="MILLIS", help="milliseconds since the Unix epoch")
+    parser.add_argument("--pinned", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--exited", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _session_fields(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        name: getattr(args, name)
+        for name in SESSION_FIELDS
+        if name not in ("cwd", "agent") and getattr(args, name, None) is not None
+    }
+
+
+# --- commands ----------------------------------------------------------------------------
+
+
+def cmd_session_register(client: Client, args: argparse.Namespace) -> Any:
+    return client.session_register(
+        cwd=args.cwd,
+        agent=args.agent,
+        session_id=args.session_id,
+        idempotency_key=args.idempotency_key,
+        **_session_fields(args),
+    )
+
+
+def cmd_session_update(client: Client, args: argparse.Namespace) -> Any:
+    fields = _session_fields(args)
+    for name in ("cwd", "agent"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    for name in args.clear:
+        fields[name] = None
+    if not fields:
+        raise UsageError("nothing to update: give at least one field option or --clear FIELD")
+    return client.session_update(args.session_id, **fields)
+
+
+def cmd_fleet_list(client: Client, args: argparse.Namespace) -> Any:
+    if args.limit is not None:
+        return client.fleet_list(limit=args.limit, cursor=args.cursor)
+    return {"sessions": list(client.iter_fleet())}
+
+
+def cmd_fleet_import_legacy(client: Client, args: argparse.Namespace) -> Any:
+    try:
+        entries = json.loads(Path(args.path).read_text())
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"{args.path} is not valid JSON: {exc}") from None
+    if not isinstance(entries, list):
+        raise UsageError(f"{args.path} must hold a JSON array of fleet entries")
+    return client.fleet_import_legacy(entries)
+
+
+def cmd_idem_claim(client: Client, args: argparse.Namespace) -> Any:
+    return client.idem_claim(
+        args.operation,
+        args.key,
+        payload=_json_arg(args.payload, "--payload"),
+        effect_ref=args.effect_ref,
+        # A CLI process exits right after claiming: by default the key is held by
+        # the shell (or program) that ran us, which does the effect.
+        holder_pid=args.holder_pid if args.holder_pid is not None else os.getppid(),
+        replay_only=args.replay_only,
+    )
+
+
+def cmd_idem_list(client: Client, args: argparse.Namespace) -> Any:
+    if args.limit is not None:
+        return client.idem_list(
+            state=args.state, operation=args.operation, limit=args.limit, cursor=args.cursor
+        )
+    keys = []
+    cursor = None
+    while True:
+        page = client.idem_list(state=args.state, operation=args.operation, cursor=cursor)
+        keys += page["keys"]
+        cursor = page.get("next_cursor")
+        if cursor is None:
+            return {"keys": keys}
+
+
+def cmd_install_systemd(_client: None, args: argparse.Namespace) -> Any:
+    from towerd.client.systemd_units import install_units
+
+    return install_units(Path(args.dir) if args.dir else None, enable=args.enable)
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray):
+        return base64.b64encode(value).decode()
+    raise TypeError(f"cannot show {type(value).__name__} as JSON")
+
+
+def _when(millis: Any) -> str:
+    if not isinstance(millis, int):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(millis / 1000))
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=_jsonable, sort_keys=True)
+    return str(value)
+
+
+def _table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    cells = [[title for _key, title in columns]]
+    for row in rows:
+        cells.append(
+            [_when(row.get(key)) if key.endswith("_at") else _cell(row.get(key)) for key, _ in columns]
+        )
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True)).rstrip()
+        for line in cells
+    )
+
+
+def _pairs(mapping: dict[str, Any], indent: str = "") -> str:
+    lines = []
+    for key, value in mapping.items():
+        if isinstance(value, dict) and value:
+            lines.append(f"{indent}{key}:")
+            lines.append(_pairs(value, indent + "  "))
+        else:
+            shown = _when(value) if key.endswith("_at") else _cell(value)
+            lines.append(f"{indent}{key}: {shown}")
+    return "\n".join(lines)
+
+
+def render(result: Any) -> str:
+    if isinstance(result, dict):
+        if "sessions" in result and isinstance(result["sessions"], list):
+            text = _table(
+                result["sessions"],
+                [("session_id", "SESSION"), ("name", "NAME"), ("agent", "AGENT"),
+                 ("parent", "PARENT"), ("pinned", "PINNED"), ("exited", "EXITED"),
+                 ("cwd", "CWD"), ("updated_at", "UPDATED")],
+            )
+            return text + (f"\nnext cursor: {result['next_cursor']}" if result.get("next_cursor") else "")
+        if "keys" in result and isinstance(result["keys"], list):
+            return _table(
+                result["keys"],
+                [("operation", "OPERATION"), ("key", "KEY"), ("state", "STATE"),
+                 ("effect_ref", "EFFECT_REF"), ("updated_at", "UPDATED")],
+            )
+        if result.keys() == {"pong", "now"}:
+            return "pong"
+        return _pairs(result)
+    return _cell(result)
+
+
+# --- the parser --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="towerctl",
+        description="Talk to the towerd daemon.",
+        epilog="exit status: 0 ok, 1 the daemon answered an error, 2 bad usage, "
+        "3 the daemon could not be reached",
+    )
+    parser.add_argument("--socket", default=None, help="daemon socket (default $TOWERD_SOCKET, "
+                        "else $XDG_RUNTIME_DIR/towerd/towerd.sock)")
+    parser.add_argument("--json", action="store_true", help="print results and errors as JSON on stdout")
+    parser.add_argument("--principal", default=None,
+                        help="whose idempotency keys to use (default: default)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(sub: Any, name: str, run: Command | None, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, **kwargs)
+        p.set_defaults(run=run)
+        return p
+
+    command(commands, "ping", lambda c, a: c.ping(), "check that the daemon answers")
+    command(commands, "status", lambda c, a: c.status(), "daemon identity, counts, last reconciliation")
+    command(commands, "shutdown", lambda c, a: c.shutdown(), "stop the daemon gracefully")
+
+    fleet = command(commands, "fleet", None, "fleet rows").add_subparsers(
+        dest="fleet_command", required=True, metavar="SUBCOMMAND")
+    p = command(fleet, "list", cmd_fleet_list, "this daemon's rows in stored order")
+    p.add_argument("--limit", type=int, default=None, help="one page of at most N rows")
+    p.add_argument("--cursor", type=int, default=None, help="continue after this cursor")
+    p = command(fleet, "get", lambda c, a: c.fleet_get(a.session_id), "one row")
+    p.add_argument("session_id")
+    p = command(fleet, "import-legacy", cmd_fleet_import_legacy, "import a legacy fleet JSON file")
+    p.add_argument("path")
+    p = command(fleet, "adopt", lambda c, a: c.fleet_adopt(a.daemon_id),
+                "take over the rows of a daemon that is gone for good")
+    p.add_argument("daemon_id")
+
+    session = command(commands, "session", None, "one fleet row").add_subparsers(
+        dest="session_command", required=True, metavar="SUBCOMMAND")
+    p = command(session, "register", cmd_session_register, "insert a row; prints its session id")
+    p.add_argument("--cwd", required=True)
+    p.add_argument("--agent", required=True)
+    p.add_argument("--session-id", default=None, help="a UUID of your own (default: minted)")
+    p.add_argument("--idempotency-key", default=None,
+                   help="a retry with the same key returns the same session id")
+    _add_session_field_options(p, for_update=False)
+    p = command(session, "update", cmd_session_update, "rewrite the given fields of a row")
+    p.add_argument("session_id")
+    _add_session_field_options(p, for_update=True)
+    p.add_argument("--clear", action="append", default=[], choices=[
+        name for name in SESSION_FIELDS if name not in ("cwd", "agent", "pinned", "exited")],
+        metavar="FIELD", help="set FIELD to null (repeatable)")
+    p = command(session, "remove", lambda c, a: c.session_remove(a.session_id), "delete a row")
+    p.add_argument("session_id")
+
+    idem = command(commands, "idem", None, "idempotency keys").add_subparsers(
+        dest="idem_command", required=True, metavar="SUBCOMMAND")
+
+    def keyed(name: str, run: Command, help: str) -> argparse.ArgumentParser:
+        p = command(idem, name, run, help)
+        p.add_argument("operation")
+        p.add_argument("key")
+        return p
+
+    p = keyed("claim", cmd_idem_claim, "claim a key before running its effect")
+    p.add_argument("--payload", default=None, metavar="JSON",
+                   help="the request's payload; a retry must send the same")
+    p.add_argument("--effect-ref", default=None, metavar="REF",
+                   help="what the effect will create (default: a minted UUID)")
+    p.add_argument("--holder-pid", type=int, default=None, metavar="PID",
+                   help="the process doing the effect (default: this command's parent)")
+    p.add_argument("--replay-only", action="store_true",
+                   help="only report a stored outcome; never claim")
+    p = keyed("complete", lambda c, a: c.idem_complete(a.operation, a.key, _json_arg(a.result, "--result")),
+              "record the effect's result")
+    p.add_argument("--result", default=None, metavar="JSON")
+    keyed("release", lambda c, a: c.idem_release(a.operation, a.key),
+          "drop a key whose effect never started")
+    keyed("mark-unknown", lambda c, a: c.idem_mark_unknown(a.operation, a.key),
+          "declare that the effect's outcome cannot be known")
+    keyed("get", lambda c, a: c.idem_get(a.operation, a.key), "one key")
+    p = keyed("resolve", lambda c, a: c.idem_resolve(
+        a.operation, a.key, a.outcome, _json_arg(a.result, "--result")),
+        "settle an outcome_unknown key after checking the effect by hand")
+    p.add_argument("--outcome", required=True, choices=["completed", "abandoned"],
+                   help="completed: it happened (give --result); abandoned: it did not, "
+                   "a retry runs it afresh")
+    p.add_argument("--result", default=None, metavar="JSON")
+    p = command(idem, "list", cmd_idem_list, "this principal's keys")
+    p.add_argument("--state", choices=IDEM_STATES, default=None)
+    p.add_argument("--operation", default=None)
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--cursor", type=int, default=None)
+
+    p = command(commands, "install-systemd", cmd_install_systemd,
+                "install towerd.service and towerd.socket as user units")
+    p.add_argument("--dir", default=None, help="unit directory (default ~/.config/systemd/user)")
+    p.add_argument("--enable", action="store_true",
+                   help="also run systemctl --user daemon-reload and enable --now towerd.socket")
+    p.set_defaults(offline=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if getattr(args, "offline", False):
+            result = args.run(None, args)
+        else:
+            with Client(args.socket, timeout=args.timeout, principal=args.principal,
+                        client_name="towerctl") as client:
+                result = args.run(client, args)
+    except UsageError as exc:
+        print(f"towerctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except TowerdError as exc:
+        if args.json:
+            print(json.dumps({"error": exc.to_wire()}, default=_jsonable))
+        else:
+            print(f"towerctl: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_UNAVAILABLE if isinstance(exc, Unavailable) else EXIT_ERROR
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable))
+    else:
+        print(render(result))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    main()
