@@ -66,6 +66,20 @@ class StopRequest:
 
 
 async def run_daemon(config: DaemonConfig) -> int:
+    """Start, serve until asked to stop, stop cleanly; returns the exit code."""
+    stop = StopRequest()
+    async with anyio.create_task_group() as signals:
+        # Handlers first: a SIGTERM during start-up still ends in a clean stop.
+        await signals.start(_stop_on_signals, stop)
+        try:
+            await _run(config, stop)
+        finally:
+            signals.cancel_scope.cancel()
+    log.info("stopped", reason=stop.reason, exit_code=stop.exit_code)
+    return stop.exit_code
+
+
+async def _run(config: DaemonConfig, stop: StopRequest) -> None:
     os.umask(0o077)
     state_dir = ensure_private_dir(config.state_dir, "state dir")
     activated = systemd.listen_socket()
@@ -80,7 +94,6 @@ async def run_daemon(config: DaemonConfig) -> int:
             wait_seconds=config.takeover_timeout if config.takeover else 0.0,
         )
     )
-    stop = StopRequest()
     try:
         store_config = StoreConfig(
             state_dir, completed_ttl_ms=int(config.completed_ttl_seconds * 1000)
@@ -99,8 +112,6 @@ async def run_daemon(config: DaemonConfig) -> int:
                     socket_path.unlink(missing_ok=True)
     finally:
         lock.release()
-    log.info("stopped", reason=stop.reason, exit_code=stop.exit_code)
-    return stop.exit_code
 
 
 async def serve(config, store, listening, socket_path: Path, stop: StopRequest) -> None:
@@ -125,7 +136,6 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         await tasks.start(server.serve, listener)
         tasks.start_soon(sweep.run)
         tasks.start_soon(expire_periodically, store, config.expiry_interval)
-        tasks.start_soon(_stop_on_signals, stop)
         tasks.start_soon(_stop_when_superseded, store, stop)
         interval = systemd.watchdog_interval()
         if interval:
@@ -139,8 +149,11 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         tasks.cancel_scope.cancel()
 
 
-async def _stop_on_signals(stop: StopRequest) -> None:
+async def _stop_on_signals(
+    stop: StopRequest, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
         async for signum in signals:
             stop.request(f"signal {signal.Signals(signum).name}")
 

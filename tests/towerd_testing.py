@@ -1,0 +1,163 @@
+"""Test helpers: a real towerd subprocess, its notify socket, the real CLI.
+
+Readiness is the daemon's own systemd notification (``READY=1`` on a datagram
+socket the test binds), so no test sleeps to wait for start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from towerd.client import Client
+
+BIN = Path(sys.executable).parent
+TOWERD = str(BIN / "towerd")
+TOWERCTL = str(BIN / "towerctl")
+START_TIMEOUT = 20.0
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll ``condition`` until it returns a truthy value or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+
+class NotifySocket:
+    """A datagram socket standing in for systemd's $NOTIFY_SOCKET."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.messages: list[str] = []
+
+    def wait_for(self, needle: str, timeout: float, alive: Callable[[], bool] = lambda: True) -> str:
+        """Wait for a message containing ``needle``; fail early if ``alive()`` turns False."""
+        deadline = time.monotonic() + timeout
+        for message in self.messages:
+            if needle in message:
+                return message
+        while time.monotonic() < deadline:
+            self.sock.settimeout(0.1)
+            try:
+                message = self.sock.recv(4096).decode()
+            except TimeoutError:
+                if not alive():
+                    raise AssertionError(f"process exited before sending {needle!r}") from None
+                continue
+            self.messages.append(message)
+            if needle in message:
+                return message
+        raise AssertionError(f"no {needle!r} notification within {timeout}s: {self.messages}")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+
+class Daemon:
+    """A towerd subprocess. ``start()`` returns once it sent READY=1."""
+
+    def __init__(self, root: Path, name: str = "d") -> None:
+        self.root = root
+        self.socket_path = root / f"{name}.run" / "towerd.sock"
+        self.state_dir = root / f"{name}.state"
+        self.log_path = root / f"{name}.log"
+        self.notify = NotifySocket(root / f"{name}.notify")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.extra_args: list[str] = []
+
+    def command(self, *extra: str) -> list[str]:
+        return [
+            TOWERD,
+            "--socket", str(self.socket_path),
+            "--state-dir", str(self.state_dir),
+            "--log-format", "json",
+            "--log-level", "debug",
+            *self.extra_args,
+            *extra,
+        ]
+
+    def env(self, **overrides: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TOWERD_", "LISTEN_"))}
+        env["NOTIFY_SOCKET"] = str(self.notify.path)
+        env.update(overrides)
+        return env
+
+    def spawn(self, *extra: str, **popen: Any) -> subprocess.Popen[bytes]:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process's lifetime
+        popen.setdefault("env", self.env())
+        return subprocess.Popen(self.command(*extra), stdout=log, stderr=log, **popen)
+
+    def start(self, *extra: str, **popen: Any) -> Daemon:
+        self.notify.messages.clear()
+        self.proc = self.spawn(*extra, **popen)
+        proc = self.proc
+        try:
+            self.notify.wait_for("READY=1", START_TIMEOUT, alive=lambda: proc.poll() is None)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- daemon log ---\n{self.log()}") from None
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def client(self, **kwargs: Any) -> Client:
+        return Client(self.socket_path, **kwargs)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except FileNotFoundError:
+            return ""
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.notify.close()
+
+
+
+def towerctl(daemon: Daemon, *args: str, check: bool = False, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI against ``daemon``'s socket."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOWERD_")}
+    return subprocess.run(
+        [TOWERCTL, "--socket", str(daemon.socket_path), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=check,
+        timeout=30,
+        **kwargs,
+    )
+
