@@ -15,6 +15,7 @@ import structlog
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import Store, idempotency
 from towerd.daemon.store.idempotency import Holder
+from towerd.daemon.store.reconcile import settle_dead_holders
 
 log = structlog.get_logger("towerd.maintenance")
 
@@ -41,16 +42,16 @@ class HolderSweep:
         dead = [holder for holder in holders if not is_alive(holder)]
         if not dead:
             return 0
-        moved = await self.store.write(idempotency.mark_holders_dead, dead)
-        for principal, operation, key in moved:
+        report = await self.store.write(settle_dead_holders, dead)
+        for principal, operation, key in report.unknown:
             log.warning(
-                "holder_died",
-                code="outcome_unknown",
-                principal=principal,
-                operation=operation,
-                key=key,
+                "holder_died", code="outcome_unknown", principal=principal, operation=operation, key=key
             )
-        return len(moved)
+        for principal, operation, key in report.completed:
+            log.info(
+                "holder_died_after_effect", principal=principal, operation=operation, key=key
+            )
+        return len(report.unknown) + len(report.completed)
 
 
 async def expire_periodically(store: Store, interval: float) -> None:

@@ -349,14 +349,17 @@ def live_holders(tx: Tx) -> list[Holder]:
 # --- maintenance -----------------------------------------------------------------------
 
 
-def mark_holders_dead(tx: Tx, holders: Iterable[Holder]) -> list[tuple[str, str, str]]:
-    """In-progress keys of dead holders become ``outcome_unknown``; returns the keys moved."""
-    moved: list[tuple[str, str, str]] = []
+def mark_holders_dead(tx: Tx, holders: Iterable[Holder]) -> list[tuple[int, str, str, str, str]]:
+    """In-progress keys of dead holders become ``outcome_unknown``.
+
+    Returns the keys moved as (rowid, principal, operation, key, effect_ref).
+    """
+    moved: list[tuple[int, str, str, str, str]] = []
     for holder in holders:
         moved += tx.conn.execute(
             """UPDATE idempotency SET state = 'outcome_unknown', updated_at = ?
                WHERE state = 'in_progress' AND daemon_id = ? AND holder_pid = ? AND holder_start = ?
-               RETURNING principal, operation, key""",
+               RETURNING rowid, principal, operation, key, effect_ref""",
             (tx.now, tx.daemon_id, holder.pid, holder.start),
         ).fetchall()
     return moved

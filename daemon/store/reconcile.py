@@ -5,7 +5,8 @@ was held across a daemon that stopped, so its outcome is unknown; then every
 ``outcome_unknown`` key whose operation has an evidence probe is checked, and
 a key whose effect left evidence completes with a result rebuilt from it.
 Probes run over all unknown keys, so a probe added later also settles older
-keys.
+keys. The same probes settle the keys of a claimant that died while the
+daemon kept running (``settle_dead_holders``).
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ from __future__ import annotations
 import sqlite3
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from towerd.protocol.methods import ReconcileReport
-from towerd.daemon.store.idempotency import COMPLETED, expire_completed
+from towerd.daemon.store.idempotency import (
+    COMPLETED,
+    Holder,
+    expire_completed,
+    mark_holders_dead,
+)
 from towerd.daemon.store.tx import Tx, pack
 
 EvidenceProbe = Callable[[Tx, str], "dict[str, Any] | None"]
@@ -102,8 +109,14 @@ def settle_from_evidence(tx: Tx) -> tuple[int, int]:
         "WHERE state = 'outcome_unknown' AND daemon_id = ?",
         (tx.daemon_id,),
     ).fetchall()
-    completed = 0
-    for rowid, operation, effect_ref in unknown:
+    completed = settle(tx, unknown)
+    return len(completed), len(unknown) - len(completed)
+
+
+def settle(tx: Tx, keys: list[tuple[int, str, str]]) -> set[int]:
+    """Probe each (rowid, operation, effect_ref); complete those with evidence; their rowids."""
+    completed = set()
+    for rowid, operation, effect_ref in keys:
         probe = EVIDENCE_PROBES.get(operation)
         result = None if probe is None else probe(tx, effect_ref)
         if result is None:
@@ -112,5 +125,24 @@ def settle_from_evidence(tx: Tx) -> tuple[int, int]:
             "UPDATE idempotency SET state = ?, result = ?, updated_at = ? WHERE rowid = ?",
             (COMPLETED, pack(result), tx.now, rowid),
         )
-        completed += 1
-    return completed, len(unknown) - completed
+        completed.add(rowid)
+    return completed
+
+
+@dataclass(frozen=True)
+class DeadHolderReport:
+    unknown: list[tuple[str, str, str]]  # (principal, operation, key) left outcome_unknown
+    completed: list[tuple[str, str, str]]  # settled at once from evidence
+
+
+def settle_dead_holders(tx: Tx, holders: list[Holder]) -> DeadHolderReport:
+    """Keys of dead holders: outcome_unknown, then completed where evidence exists, in one
+    transaction, so a claimant that died after leaving its evidence needs no restart."""
+    moved = mark_holders_dead(tx, holders)
+    completed = settle(tx, [(rowid, operation, ref) for rowid, _, operation, _, ref in moved])
+    report = DeadHolderReport([], [])
+    for rowid, principal, operation, key, _ref in moved:
+        (report.completed if rowid in completed else report.unknown).append(
+            (principal, operation, key)
+        )
+    return report

@@ -104,3 +104,34 @@ def test_key_of_a_living_holder_stays_in_progress(daemon):
     wait_for(lambda: state_of(daemon, "witness") == "outcome_unknown", timeout=10, what="witness")
     with daemon.client() as client:
         assert client.idem_get("op", "mine")["state"] == "in_progress"
+
+
+SPAWNER_DIES_AFTER_EFFECT = textwrap.dedent(
+    """
+    import signal, sys
+    from towerd.client import Client
+    with Client(sys.argv[1]) as client:
+        claim = client.idem_claim("session.spawn", "spawned-then-died")
+        client.session_register(cwd="/r", agent="claude", session_id=claim["effect_ref"])
+    print(claim["effect_ref"], flush=True)
+    signal.pause()   # killed before idem.complete
+    """
+)
+
+
+def test_dead_claimant_with_evidence_completes_without_restart(daemon):
+    """A spawner killed after registering its row but before idem.complete: the daemon
+    notices the death and settles the key from the row, completed, with its session id."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SPAWNER_DIES_AFTER_EFFECT, str(daemon.socket_path)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    session_id = proc.stdout.readline().strip()
+    proc.kill()
+    proc.wait(10)
+    wait_for(lambda: state_of(daemon, "spawned-then-died") == "completed", timeout=10,
+             what="the key to settle from evidence")
+    with daemon.client() as client:
+        record = client.idem_get("session.spawn", "spawned-then-died")
+        assert record["result"]["session_id"] == session_id
+        assert client.status()["reconciliation"]["completed_from_evidence"] == 0  # no restart
