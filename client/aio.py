@@ -19,8 +19,8 @@ from typing import Any
 import anyio
 from anyio.abc import SocketStream
 
-from towerd.protocol import DEFAULT_MAX_FRAME, FrameDecoder, FrameTooLargeError
-from towerd.protocol.envelope import decode_response, encode_request
+from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder, FrameTooLargeError
+from towerd.protocol.envelope import FRAME_ERROR_ID, decode_response, encode_request
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.paths import default_socket_path
 from towerd.client.api import TowerdAPI
@@ -44,8 +44,8 @@ class AsyncClient(TowerdAPI[Any]):
         self._send_lock = anyio.Lock()
         self._pending: dict[int, _Pending] = {}
         self._next_id = 0
-        self._lost: Unavailable | None = None
-        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME)
+        self._lost: TowerdError | None = None
+        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME + RESPONSE_SLACK)
 
     @classmethod
     @asynccontextmanager
@@ -65,6 +65,7 @@ class AsyncClient(TowerdAPI[Any]):
                 f"cannot connect to towerd at {path}: {exc.strerror or exc}; is the daemon running?",
                 {"socket": str(path), "reason": "connect"},
             ) from None
+        failure: Exception | None = None
         async with stream, anyio.create_task_group() as tasks:
             client = cls(stream, path, timeout)
             tasks.start_soon(client._read_answers)
@@ -72,10 +73,18 @@ class AsyncClient(TowerdAPI[Any]):
                 client.hello = await client.call(
                     "hello", hello_params(client_name or default_client_name(), principal)
                 )
-                client._decoder.max_frame = max(DEFAULT_MAX_FRAME, int(client.hello["max_frame"]))
+                client._decoder.max_frame = (
+                    max(DEFAULT_MAX_FRAME, int(client.hello["max_frame"])) + RESPONSE_SLACK
+                )
                 yield client
+            except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped
+                failure = exc
             finally:
                 tasks.cancel_scope.cancel()
+        if failure is not None:
+            # Raised outside the task group, so callers catch the error itself, not
+            # an ExceptionGroup around it.
+            raise failure
 
     async def call(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
         if self._lost is not None:
@@ -89,7 +98,13 @@ class AsyncClient(TowerdAPI[Any]):
             with anyio.fail_after(self.timeout):
                 await pending.done.wait()
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            raise self._lose(f"lost towerd at {self.socket_path}: {exc!r}", "connection") from None
+            raise self._lose(
+                Unavailable(
+                    f"lost towerd at {self.socket_path}: {exc!r}; the request may or may not "
+                    "have been applied: retry it with the same idempotency key",
+                    {"socket": str(self.socket_path), "reason": "connection"},
+                )
+            ) from None
         except TimeoutError:
             raise Unavailable(
                 f"no answer from towerd within {self.timeout}s to {method}; the request may or "
@@ -109,24 +124,28 @@ class AsyncClient(TowerdAPI[Any]):
                 data = await self._stream.receive(65536)
                 for frame in self._decoder.feed(data):
                     request_id, result, error = decode_response(frame)
+                    if request_id == FRAME_ERROR_ID and error is not None:
+                        self._lose(error)  # about the connection itself; the daemon closes it
+                        return
                     pending = self._pending.get(request_id)
                     if pending is None:
-                        if error is not None and request_id == 0:
-                            reason = f"towerd refused the connection: {error.message}"
                         continue
                     pending.result, pending.error = result, error
                     pending.done.set()
+                if self._decoder.error is not None:
+                    raise self._decoder.error
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass
         except (FrameTooLargeError, TowerdError) as exc:
             reason = f"towerd sent a bad frame: {exc}"
-        self._lose(reason, "closed")
+        self._lose(Unavailable(reason, {"socket": str(self.socket_path), "reason": "closed"}))
 
-    def _lose(self, message: str, reason: str) -> Unavailable:
+    def _lose(self, error: TowerdError) -> TowerdError:
+        """The connection is over: every pending and later call fails with ``error``."""
         if self._lost is None:
-            self._lost = Unavailable(message, {"socket": str(self.socket_path), "reason": reason})
+            self._lost = error
             for pending in self._pending.values():
-                pending.error = self._lost
+                pending.error = error
                 pending.done.set()
         return self._lost
 

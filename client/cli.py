@@ -202,25 +202,44 @@ def _pairs(mapping: dict[str, Any], indent: str = "") -> str:
 
 
 def render(result: Any) -> str:
-    if isinstance(result, dict):
-        if "sessions" in result and isinstance(result["sessions"], list):
-            text = _table(
-                result["sessions"],
-                [("session_id", "SESSION"), ("name", "NAME"), ("agent", "AGENT"),
-                 ("parent", "PARENT"), ("pinned", "PINNED"), ("exited", "EXITED"),
-                 ("cwd", "CWD"), ("updated_at", "UPDATED")],
-            )
-            return text + (f"\nnext cursor: {result['next_cursor']}" if result.get("next_cursor") else "")
-        if "keys" in result and isinstance(result["keys"], list):
-            return _table(
-                result["keys"],
-                [("operation", "OPERATION"), ("key", "KEY"), ("state", "STATE"),
-                 ("effect_ref", "EFFECT_REF"), ("updated_at", "UPDATED")],
-            )
-        if result.keys() == {"pong", "now"}:
-            return "pong"
-        return _pairs(result)
-    return _cell(result)
+    """The default: nested ``key: value`` lines."""
+    return _pairs(result) if isinstance(result, dict) else _cell(result)
+
+
+def render_fleet(result: dict[str, Any]) -> str:
+    text = _table(
+        result["sessions"],
+        [("session_id", "SESSION"), ("name", "NAME"), ("agent", "AGENT"), ("parent", "PARENT"),
+         ("pinned", "PINNED"), ("exited", "EXITED"), ("cwd", "CWD"), ("updated_at", "UPDATED")],
+    )
+    cursor = result.get("next_cursor")
+    return text + (f"\nnext cursor: {cursor}" if cursor is not None else "")
+
+
+def render_keys(result: dict[str, Any]) -> str:
+    text = _table(
+        result["keys"],
+        [("operation", "OPERATION"), ("key", "KEY"), ("state", "STATE"),
+         ("effect_ref", "EFFECT_REF"), ("updated_at", "UPDATED")],
+    )
+    cursor = result.get("next_cursor")
+    return text + (f"\nnext cursor: {cursor}" if cursor is not None else "")
+
+
+def render_import(result: dict[str, Any]) -> str:
+    lines = [f"imported {result['imported']}, skipped {result['skipped']}"]
+    lines += [f"  {row['agent_session_id']} -> {row['session_id']}" for row in result["sessions"]]
+    lines += [
+        f"  skipped entry {skip['index']}"
+        + (f" ({skip['agent_session_id']})" if skip.get("agent_session_id") else "")
+        + f": {skip['reason']}"
+        for skip in result["skips"]
+    ]
+    return "\n".join(lines)
+
+
+def render_pong(_result: Any) -> str:
+    return "pong"
 
 
 # --- the parser --------------------------------------------------------------------------
@@ -241,23 +260,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(sub: Any, name: str, run: Command | None, help: str, **kwargs: Any) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, **kwargs)
-        p.set_defaults(run=run)
+    def command(
+        sub: Any, name: str, run: Command | None, help: str, show: Callable[[Any], str] = render
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(run=run, render=show)
         return p
 
-    command(commands, "ping", lambda c, a: c.ping(), "check that the daemon answers")
+    command(commands, "ping", lambda c, a: c.ping(), "check that the daemon answers", render_pong)
     command(commands, "status", lambda c, a: c.status(), "daemon identity, counts, last reconciliation")
     command(commands, "shutdown", lambda c, a: c.shutdown(), "stop the daemon gracefully")
 
     fleet = command(commands, "fleet", None, "fleet rows").add_subparsers(
         dest="fleet_command", required=True, metavar="SUBCOMMAND")
-    p = command(fleet, "list", cmd_fleet_list, "this daemon's rows in stored order")
+    p = command(fleet, "list", cmd_fleet_list, "this daemon's rows in stored order", render_fleet)
     p.add_argument("--limit", type=int, default=None, help="one page of at most N rows")
     p.add_argument("--cursor", type=int, default=None, help="continue after this cursor")
     p = command(fleet, "get", lambda c, a: c.fleet_get(a.session_id), "one row")
     p.add_argument("session_id")
-    p = command(fleet, "import-legacy", cmd_fleet_import_legacy, "import a legacy fleet JSON file")
+    p = command(fleet, "import-legacy", cmd_fleet_import_legacy, "import a legacy fleet JSON file",
+                render_import)
     p.add_argument("path")
     p = command(fleet, "adopt", lambda c, a: c.fleet_adopt(a.daemon_id),
                 "take over the rows of a daemon that is gone for good")
@@ -314,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completed: it happened (give --result); abandoned: it did not, "
                    "a retry runs it afresh")
     p.add_argument("--result", default=None, metavar="JSON")
-    p = command(idem, "list", cmd_idem_list, "this principal's keys")
+    p = command(idem, "list", cmd_idem_list, "this principal's keys", render_keys)
     p.add_argument("--state", choices=IDEM_STATES, default=None)
     p.add_argument("--operation", default=None)
     p.add_argument("--limit", type=int, default=None)
@@ -354,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable))
     else:
-        print(render(result))
+        print(args.render(result))
     return EXIT_OK
 
 

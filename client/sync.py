@@ -16,8 +16,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, FrameDecoder, FrameTooLargeError
-from towerd.protocol.envelope import decode_response, encode_request
+from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
+from towerd.protocol.envelope import FRAME_ERROR_ID, decode_response, encode_request
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.paths import default_socket_path
 from towerd.client.api import TowerdAPI
@@ -57,7 +57,7 @@ class Client(TowerdAPI[Any]):
         self.principal = principal
         self.hello: dict[str, Any] = {}
         self._sock: socket.socket | None = None
-        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME)
+        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME + RESPONSE_SLACK)
         self._frames: list[bytes] = []
         self._next_id = 0
         self.connect()
@@ -79,14 +79,16 @@ class Client(TowerdAPI[Any]):
                 {"socket": str(self.socket_path), "reason": "connect"},
             ) from None
         self._sock = sock
-        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME)
+        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME + RESPONSE_SLACK)
         self._frames = []
         try:
             self.hello = self.call("hello", hello_params(self.client_name, self.principal))
         except TowerdError:
             self.close()
             raise
-        self._decoder.max_frame = max(DEFAULT_MAX_FRAME, int(self.hello.get("max_frame", 0)))
+        self._decoder.max_frame = (
+            max(DEFAULT_MAX_FRAME, int(self.hello.get("max_frame", 0))) + RESPONSE_SLACK
+        )
 
     def close(self) -> None:
         if self._sock is not None:
@@ -128,11 +130,14 @@ class Client(TowerdAPI[Any]):
             answers: dict[int, Any] = {}
             while len(answers) < len(ids):
                 request_id, result, error = decode_response(self._read_frame(sock))
+                if request_id == FRAME_ERROR_ID and error is not None:
+                    raise error  # about the connection itself; the daemon closes it
                 answers[request_id] = error if error is not None else result
-        except (OSError, Unavailable) as exc:
+        except TowerdError:
             self.close()
-            if isinstance(exc, Unavailable):
-                raise
+            raise
+        except OSError as exc:
+            self.close()
             reason = "timeout" if isinstance(exc, TimeoutError) else "connection"
             raise Unavailable(
                 f"lost towerd at {self.socket_path} ({reason}: {exc}); the request may or may "
@@ -149,10 +154,9 @@ class Client(TowerdAPI[Any]):
                     f"towerd at {self.socket_path} closed the connection",
                     {"socket": str(self.socket_path), "reason": "closed"},
                 )
-            try:
-                self._frames.extend(self._decoder.feed(data))
-            except FrameTooLargeError as exc:
-                raise Unavailable(f"towerd sent an oversized frame: {exc}") from None
+            self._frames.extend(self._decoder.feed(data))
+            if not self._frames and self._decoder.error is not None:
+                raise Unavailable(f"towerd sent an oversized frame: {self._decoder.error}")
         return self._frames.pop(0)
 
     def _require_socket(self) -> socket.socket:

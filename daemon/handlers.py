@@ -42,6 +42,11 @@ class DaemonInfo:
     started_at: int
     started_monotonic: float
 
+    @property
+    def page_bytes(self) -> int:
+        """Byte budget of one page of a listing: half a frame leaves room for the envelope."""
+        return self.max_frame // 2
+
 
 Handler = Callable[[Caller, Any], Awaitable[Any]]
 
@@ -138,7 +143,9 @@ class Handlers:
         return await self.store.write(fleet.remove_session, params.session_id)
 
     async def fleet_list(self, caller: Caller, params: m.FleetListParams) -> m.FleetListResult:
-        return await self.store.read(fleet.list_sessions, params.limit, params.cursor)
+        return await self.store.read(
+            fleet.list_sessions, params.limit, params.cursor, self.info.page_bytes
+        )
 
     async def fleet_get(self, caller: Caller, params: m.SessionIdParams) -> m.SessionRow:
         return await self.store.read(fleet.get_session, params.session_id)
@@ -193,6 +200,7 @@ class Handlers:
             params.operation,
             params.limit,
             params.cursor,
+            self.info.page_bytes,
         )
 
     async def idem_resolve(

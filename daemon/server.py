@@ -24,7 +24,7 @@ import msgspec
 import structlog
 from anyio.abc import SocketListener, SocketStream
 
-from towerd.protocol import PROTOCOL_VERSION, FrameDecoder, FrameTooLargeError
+from towerd.protocol import PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol import methods as m
 from towerd.protocol.envelope import (
     FRAME_ERROR_ID,
@@ -185,12 +185,7 @@ class Server:
                             data = await stream.receive(RECEIVE_SIZE)
                         except (anyio.EndOfStream, anyio.BrokenResourceError):
                             return
-                        try:
-                            frames = decoder.feed(data)
-                        except FrameTooLargeError as exc:
-                            log.info("frame_refused", code="frame_too_large", length=exc.length)
-                            await send(encode_error(FRAME_ERROR_ID, FrameTooLarge(str(exc))))
-                            return
+                        frames = decoder.feed(data)
                         for frame in frames:
                             try:
                                 request = decode_request(frame)
@@ -204,6 +199,12 @@ class Server:
                                 continue
                             await in_flight.acquire()
                             requests.start_soon(self._answer, request, caller, send, in_flight)
+                        if decoder.error is not None:
+                            log.info(
+                                "frame_refused", code="frame_too_large", length=decoder.error.length
+                            )
+                            await send(encode_error(FRAME_ERROR_ID, FrameTooLarge(str(decoder.error))))
+                            return
                 finally:
                     self._readers.discard(reader)
 
@@ -254,10 +255,10 @@ class Server:
                         raise UnknownMethod(f"unknown method {request.method!r}")
                     result = await handler(caller, _decode_params(request.method, request))
                     frame = encode_result(request.id, result)
-                    if len(frame) > self.max_frame + 4:
+                    if len(frame) > self.max_frame + RESPONSE_SLACK:
                         raise Internal(
                             f"the result of {request.method} is {len(frame)} bytes, over the "
-                            f"frame limit of {self.max_frame}; page it with a smaller limit"
+                            f"response limit of {self.max_frame + RESPONSE_SLACK}"
                         )
                 except TowerdError as exc:
                     code = exc.code

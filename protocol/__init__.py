@@ -11,6 +11,7 @@ from towerd.protocol.errors import ERROR_CODES, TowerdError, error_for_code
 from towerd.protocol.framing import (
     DEFAULT_MAX_FRAME,
     FrameDecoder,
+    RESPONSE_SLACK,
     FrameTooLargeError,
     encode_frame,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME",
     "ERROR_CODES",
     "PROTOCOL_VERSION",
+    "RESPONSE_SLACK",
     "SERVER_NAME",
     "VERSION",
     "FrameDecoder",

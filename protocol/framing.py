@@ -10,6 +10,9 @@ from __future__ import annotations
 import struct
 
 DEFAULT_MAX_FRAME = 1024 * 1024  # 1 MiB
+# A response may exceed the request limit by this much: it can carry back a value
+# that filled a whole request, plus the record and envelope around it.
+RESPONSE_SLACK = 64 * 1024
 PREFIX = struct.Struct(">I")
 PREFIX_SIZE = PREFIX.size
 
@@ -32,20 +35,23 @@ class FrameDecoder:
     """Turns arbitrary chunks of a byte stream into whole frame payloads.
 
     Feed it whatever ``recv`` returned (split, merged, one byte at a time);
-    it returns the payloads completed so far. After a ``FrameTooLargeError``
-    the stream is out of sync and the decoder must not be fed again.
+    it returns the payloads completed so far. When a length prefix announces
+    more than ``max_frame``, the frames before it are still returned and
+    ``error`` is set to a ``FrameTooLargeError``: the stream is out of sync,
+    nothing more is decoded, and the caller should answer and close.
     """
 
-    __slots__ = ("_buffer", "_need", "max_frame")
+    __slots__ = ("_buffer", "_need", "error", "max_frame")
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self._buffer = bytearray()
         self.max_frame = max_frame  # may be raised later (a client learns it from hello)
         self._need: int | None = None  # payload length of the frame in progress
+        self.error: FrameTooLargeError | None = None
 
     @property
     def buffered(self) -> int:
-        """Bytes received but not yet returned as a frame."""
+        """Bytes held for frames not yet complete (a parsed length prefix is not counted)."""
         return len(self._buffer)
 
     @property
@@ -54,6 +60,8 @@ class FrameDecoder:
         return bool(self._buffer) or self._need is not None
 
     def feed(self, data: bytes) -> list[bytes]:
+        if self.error is not None:
+            return []
         self._buffer += data
         frames: list[bytes] = []
         buffer = self._buffer
@@ -64,8 +72,9 @@ class FrameDecoder:
                     break
                 (length,) = PREFIX.unpack_from(buffer, offset)
                 if length > self.max_frame:
-                    del buffer[:offset]
-                    raise FrameTooLargeError(length, self.max_frame)
+                    self.error = FrameTooLargeError(length, self.max_frame)
+                    buffer.clear()
+                    return frames
                 offset += PREFIX_SIZE
                 self._need = length
             if len(buffer) - offset < self._need:

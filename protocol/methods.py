@@ -277,10 +277,13 @@ class FleetAdoptParams(Struct):
 
 
 class FleetAdoptResult(Struct):
-    adopted: int
+    adopted: int  # fleet rows moved
     from_daemon_id: str
     daemon_id: str
     owner_epoch: int
+    keys_adopted: int = 0  # idempotency keys now reconciled by this daemon
+    keys_marked_unknown: int = 0  # of those, in progress and without evidence
+    keys_completed_from_evidence: int = 0
 
 
 # --- idempotency ---------------------------------------------------------------

@@ -35,8 +35,9 @@ from towerd.daemon.store.idempotency import (
     replay_or_refuse,
 )
 from towerd.daemon.store.idempotency import insert as insert_key
+from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import PAGE_BYTES, Tx, take_page
 
 ROW_COLUMNS = ("session_id", *SESSION_FIELDS, "daemon_id", "owner_epoch", "updated_at")
 _SELECT_ROW = f"SELECT {', '.join(ROW_COLUMNS)} FROM sessions"
@@ -102,19 +103,20 @@ def get_session(tx: Tx, session_id: str) -> SessionRow:
     return row_from_sql(values)
 
 
-def list_sessions(tx: Tx, limit: int, cursor: int | None) -> FleetListResult:
-    """This daemon's rows in stored order, one page at a time (cursor = last rowid seen)."""
+def list_sessions(
+    tx: Tx, limit: int, cursor: int | None, byte_budget: int = PAGE_BYTES
+) -> FleetListResult:
+    """This daemon's rows in stored order, one page at a time (cursor = last rowid seen);
+    a page holds at most ``limit`` rows and about ``byte_budget`` encoded bytes."""
     rows = tx.conn.execute(
         f"""SELECT rowid, {", ".join(ROW_COLUMNS)} FROM sessions
             WHERE daemon_id = ? AND rowid > ? ORDER BY rowid LIMIT ?""",
         (tx.daemon_id, cursor or 0, limit + 1),
     ).fetchall()
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return FleetListResult(
-        sessions=[row_from_sql(row[1:]) for row in rows],
-        next_cursor=rows[-1][0] if more else None,
+    sessions, next_cursor = take_page(
+        [(row[0], row_from_sql(row[1:])) for row in rows], limit, byte_budget
     )
+    return FleetListResult(sessions=sessions, next_cursor=next_cursor)
 
 
 def count_sessions(tx: Tx) -> int:
@@ -211,10 +213,14 @@ def update_session(tx: Tx, params: SessionUpdateParams) -> SessionRow:
         raise NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
     fields = params.given_fields()
     if fields.get("parent") is not None:
+        if fields["parent"] == session_id:
+            raise BadArgs("a session cannot be its own parent")
         parent = _top_level_parent(tx, fields["parent"])
-        if session_id in (fields["parent"], parent):
+        if parent == session_id:
             raise Conflict(
-                f"making {fields['parent']} the parent of {session_id} would create a cycle"
+                f"making {fields['parent']} the parent of {session_id} would create a cycle "
+                f"({fields['parent']} is a sub-session of {session_id})",
+                {"session_id": session_id, "parent": fields["parent"]},
             )
         fields["parent"] = parent
         # This row becomes a sub-session: its own sub-sessions move up with it.
@@ -366,7 +372,10 @@ def adopt_fleet(tx: Tx, principal: str, from_daemon_id: str) -> FleetAdoptResult
         "SELECT 1 FROM daemons WHERE daemon_id = ?", (from_daemon_id,)
     ).fetchone()
     if known is None:
-        raise NotFound(f"no daemon {from_daemon_id} is recorded in this store")
+        raise NotFound(
+            f"no daemon {from_daemon_id} is recorded in this store",
+            {"daemon_id": from_daemon_id},
+        )
     clash = tx.conn.execute(
         """SELECT theirs.session_id, theirs.agent_session_id, ours.session_id
            FROM sessions AS theirs JOIN sessions AS ours
@@ -377,20 +386,40 @@ def adopt_fleet(tx: Tx, principal: str, from_daemon_id: str) -> FleetAdoptResult
     if clash is not None:
         raise Conflict(
             f"session {clash[0]} of daemon {from_daemon_id} and session {clash[2]} of this "
-            f"daemon share agent session {clash[1]}; remove one before adopting"
+            f"daemon share agent session {clash[1]}; remove this daemon's session {clash[2]} "
+            "(session.remove) before adopting",
+            {"session_id": clash[2], "other_session_id": clash[0], "agent_session_id": clash[1]},
         )
     adopted = tx.conn.execute(
         "UPDATE sessions SET daemon_id = ?, owner_epoch = ?, updated_at = ? WHERE daemon_id = ?",
         (tx.daemon_id, tx.owner_epoch, tx.now, from_daemon_id),
     ).rowcount
+    # Its keys come along and are reconciled as at a start: whatever it had in
+    # progress is unknown now, unless the effect left evidence.
+    interrupted = tx.conn.execute(
+        """UPDATE idempotency SET state = 'outcome_unknown', updated_at = ?
+           WHERE state = 'in_progress' AND daemon_id = ?
+           RETURNING rowid, operation, effect_ref""",
+        (tx.now, from_daemon_id),
+    ).fetchall()
+    keys_adopted = tx.conn.execute(
+        "UPDATE idempotency SET daemon_id = ? WHERE daemon_id = ?", (tx.daemon_id, from_daemon_id)
+    ).rowcount
+    settled = settle(tx, interrupted)
     log_operator_action(
-        tx, principal, "fleet.adopt", {"from_daemon_id": from_daemon_id, "adopted": adopted}
+        tx,
+        principal,
+        "fleet.adopt",
+        {"from_daemon_id": from_daemon_id, "adopted": adopted, "keys_adopted": keys_adopted},
     )
     return FleetAdoptResult(
         adopted=adopted,
         from_daemon_id=from_daemon_id,
         daemon_id=tx.daemon_id,
         owner_epoch=tx.owner_epoch,
+        keys_adopted=keys_adopted,
+        keys_marked_unknown=len(interrupted) - len(settled),
+        keys_completed_from_evidence=len(settled),
     )
 
 

@@ -31,7 +31,7 @@ from towerd.protocol.methods import (
     IdemResolveResult,
     KeyCounts,
 )
-from towerd.daemon.store.tx import Tx, pack, pack_canonical, unpack
+from towerd.daemon.store.tx import PAGE_BYTES, Tx, pack, pack_canonical, take_page, unpack
 
 IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
@@ -305,8 +305,15 @@ def get(tx: Tx, principal: str, operation: str, key: str) -> IdemRecord:
 
 
 def list_keys(
-    tx: Tx, principal: str, state: str | None, operation: str | None, limit: int, cursor: int | None
+    tx: Tx,
+    principal: str,
+    state: str | None,
+    operation: str | None,
+    limit: int,
+    cursor: int | None,
+    byte_budget: int = PAGE_BYTES,
 ) -> IdemListResult:
+    """The principal's keys in claim order, paged like ``fleet.list``."""
     clauses, args = ["principal = ?", "rowid > ?"], [principal, cursor or 0]
     if state is not None:
         clauses.append("state = ?")
@@ -319,12 +326,10 @@ def list_keys(
         "ORDER BY rowid LIMIT ?",
         (*args, limit + 1),
     ).fetchall()
-    more = len(rows) > limit
-    rows = rows[:limit]
-    return IdemListResult(
-        keys=[_row(values[1:]).record for values in rows],
-        next_cursor=rows[-1][0] if more else None,
+    keys, next_cursor = take_page(
+        [(values[0], _row(values[1:]).record) for values in rows], limit, byte_budget
     )
+    return IdemListResult(keys=keys, next_cursor=next_cursor)
 
 
 def count_by_state(tx: Tx) -> KeyCounts:

@@ -52,10 +52,14 @@ def snake_case(key: str) -> str:
     return _CAMEL_BOUNDARY.sub("_", key).lower()
 
 
+def _normalized(raw: dict[Any, Any]) -> dict[Any, Any]:
+    return {snake_case(key) if isinstance(key, str) else key: value for key, value in raw.items()}
+
+
 def parse_entry(raw: Any) -> LegacyEntry:
     if not isinstance(raw, dict):
         raise ValueError(f"entry is a {type(raw).__name__}, not an object")
-    normalized = {snake_case(key) if isinstance(key, str) else key: value for key, value in raw.items()}
+    normalized = _normalized(raw)
     try:
         entry = msgspec.convert(normalized, LegacyEntry)
     except msgspec.ValidationError as exc:
@@ -73,7 +77,9 @@ def import_legacy(tx: Tx, raw_entries: Sequence[Any]) -> LegacyImportResult:
         try:
             entry = parse_entry(raw)
         except ValueError as exc:
-            agent_session_id = raw.get("agentSessionID") if isinstance(raw, dict) else None
+            agent_session_id = (
+                _normalized(raw).get("agent_session_id") if isinstance(raw, dict) else None
+            )
             skips.append(
                 LegacySkip(
                     index=index,

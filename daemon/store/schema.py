@@ -200,11 +200,13 @@ def shape_of(conn: sqlite3.Connection) -> Shape:
     return shape
 
 
-def expected_shape() -> Shape:
-    """The shape the ladder produces, built on a scratch in-memory database."""
+def expected_shape(version: int | None = None) -> Shape:
+    """The shape the ladder produces up to ``version`` (default: the newest), built on a
+    scratch in-memory database."""
+    version = SCHEMA_VERSION if version is None else version
     scratch = sqlite3.connect(":memory:", isolation_level=None)
     try:
-        for migration in MIGRATIONS:
+        for migration in MIGRATIONS[:version]:
             for statement in migration.statements:
                 scratch.execute(statement)
         return shape_of(scratch)
@@ -212,9 +214,13 @@ def expected_shape() -> Shape:
         scratch.close()
 
 
-def check_shape(conn: sqlite3.Connection, db_path: Path) -> None:
-    """Refuse a database whose tables differ from what the ladder makes."""
-    actual, expected = shape_of(conn), expected_shape()
+def check_shape(conn: sqlite3.Connection, db_path: Path, version: int | None = None) -> None:
+    """Refuse a database whose tables differ from what the ladder makes at ``version``.
+
+    Checked before migrating (so a misshapen old file is refused untouched) and after.
+    """
+    version = SCHEMA_VERSION if version is None else version
+    actual, expected = shape_of(conn), expected_shape(version)
     problems = []
     for table in sorted(expected.keys() - actual.keys()):
         problems.append(f"table {table} is missing")
@@ -233,7 +239,8 @@ def check_shape(conn: sqlite3.Connection, db_path: Path) -> None:
             )
     if problems:
         raise StartRefused(
-            f"{db_path}: tables do not have the shape towerd expects: {'; '.join(problems)}"
+            f"{db_path}: tables do not have the shape towerd expects for schema version "
+            f"{version}: {'; '.join(problems)}"
         )
 
 

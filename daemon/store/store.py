@@ -107,7 +107,7 @@ class Store:
         self._queue: list[_Job] = []
         self._wakeup = anyio.Event()
         self._closing = False
-        self._superseded_by: tuple[int] | None = None
+        self._superseded = False  # set on the database thread, published after the hop
 
     # --- the API handlers use ------------------------------------------------------
 
@@ -150,7 +150,7 @@ class Store:
                 await self._writer.run(self._run_batch, batch)
             for job in batch:
                 job.done.set()
-            if self._superseded_by is not None:
+            if self._superseded:
                 self.superseded.set()
 
     def _run_batch(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:
@@ -163,7 +163,7 @@ class Store:
             ).fetchone()
             if current is None or current[0] != self.owner_epoch:
                 conn.execute("ROLLBACK")
-                self._superseded_by = current
+                self._superseded = True
                 _fail_all(jobs, self._stale_epoch_error(current))
                 return
             for job in jobs:
@@ -227,10 +227,12 @@ def _create_private_file(path: Path) -> None:
 def _open_writer(
     conn: sqlite3.Connection, config: StoreConfig, db_path: Path
 ) -> tuple[Tx, ReconcileReport]:
-    """Header checks, integrity, pragmas, migrations, shape, then the start-up transaction."""
+    """Read-only checks (header, integrity, shape), then pragmas, migrations, the shape
+    again, and the start-up transaction."""
     version = schema.check_header(conn, db_path)
     if version > 0:
         schema.check_integrity(conn, db_path)
+        schema.check_shape(conn, db_path, version)  # before anything is written
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if mode != "wal":
         raise schema.StartRefused(f"{db_path}: cannot switch to WAL journaling (got {mode!r})")

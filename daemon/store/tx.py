@@ -5,14 +5,13 @@ from __future__ import annotations
 import sqlite3
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
-
 from towerd.protocol.errors import Conflict, Internal, StorageFull, TowerdError
+from towerd.protocol.framing import DEFAULT_MAX_FRAME
 
 _packer = msgspec.msgpack.Encoder()
-_sorted_packer = msgspec.msgpack.Encoder(order="sorted")
 _unpacker = msgspec.msgpack.Decoder()
 
 
@@ -35,12 +34,52 @@ def pack(value: Any) -> bytes:
 
 
 def pack_canonical(value: Any) -> bytes:
-    """msgpack with map keys sorted, so equal values encode to equal bytes."""
-    return _sorted_packer.encode(value)
+    """msgpack with every map's keys sorted, so equal values encode to equal bytes
+    whatever the key order. String keys sort as strings; keys of other types (ints,
+    bytes, ... are valid msgpack) follow them, ordered by their encoding."""
+    return _packer.encode(_canonical(value))
+
+
+def _key_order(key: Any) -> tuple[int, Any]:
+    return (0, key) if isinstance(key, str) else (1, _packer.encode(key))
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        items = [(_canonical(key), _canonical(item)) for key, item in value.items()]
+        items.sort(key=lambda pair: _key_order(pair[0]))
+        return dict(items)
+    if isinstance(value, list | tuple):
+        return [_canonical(item) for item in value]
+    return value
 
 
 def unpack(data: bytes | None) -> Any:
     return None if data is None else _unpacker.decode(data)
+
+
+T = TypeVar("T")
+
+PAGE_BYTES = DEFAULT_MAX_FRAME // 2  # default byte budget of one listing page
+
+
+def take_page(rows: list[tuple[int, T]], limit: int, byte_budget: int) -> tuple[list[T], int | None]:
+    """One page of ``(rowid, item)`` rows fetched with ``LIMIT limit + 1``.
+
+    Stops early once the items' encoded size would pass ``byte_budget`` (at least
+    one item is always returned), so a page always fits in a frame. Returns the
+    items and the cursor to continue from (None when nothing is left).
+    """
+    items: list[T] = []
+    size = 0
+    last_rowid = 0
+    for rowid, item in rows[:limit]:
+        size += len(_packer.encode(item))
+        if items and size > byte_budget:
+            return items, last_rowid
+        items.append(item)
+        last_rowid = rowid
+    return items, (last_rowid if len(rows) > limit else None)
 
 
 SQLITE_FULL = 13
