@@ -1,0 +1,94 @@
+"""Shared helpers for the store tests: a real
+Store on a real SQLite file in a temp dir."""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, closing
+from pathlib import Path
+from typing import Any
+
+from towerd.daemon.store import DB_FILE, Store, StoreConfig, fleet, open_store
+from towerd.daemon.store.tx import Tx
+from towerd.protocol.methods import SessionEntry, SessionRegisterParams, SessionRow
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+def state_dir(root: Path) -> Path:
+    return root / "state"
+
+
+def db_path(root: Path) -> Path:
+    return state_dir(root) / DB_FILE
+
+
+@asynccontextmanager
+async def opened(root: Path, **config: Any) -> AsyncIterator[Store]:
+    """open_store on ``root/state``: each use is one daemon start."""
+    async with open_store(StoreConfig(state_dir(root), **config)) as store:
+        yield store
+
+
+def query(root: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Read the file directly with plain sqlite3
+    (the store must be closed or committed)."""
+    with closing(sqlite3.connect(db_path(root))) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def execute(root: Path, sql: str, args: tuple[Any, ...] = ()) -> None:
+    """Write the file directly with plain sqlite3, committed."""
+    with closing(sqlite3.connect(db_path(root), isolation_level=None)) as conn:
+        conn.execute(sql, args)
+
+
+def register_params(**fields: Any) -> SessionRegisterParams:
+    fields.setdefault("cwd", "/work")
+    fields.setdefault("agent", "claude")
+    return SessionRegisterParams(**fields)
+
+
+async def register(store: Store, **fields: Any) -> str:
+    """Insert one fleet row through the store; returns its session id."""
+    return await store.write(fleet.insert_session, register_params(**fields))
+
+
+def entry(session_id: str, **fields: Any) -> SessionEntry:
+    fields.setdefault("cwd", "/work")
+    fields.setdefault("agent", "claude")
+    return SessionEntry(session_id=session_id, **fields)
+
+
+def _all_rows(tx: Tx) -> list[SessionRow]:
+    rows: list[SessionRow] = []
+    cursor = None
+    while True:
+        page = fleet.list_sessions(tx, 5000, cursor)
+        rows += page.sessions
+        if page.next_cursor is None:
+            return rows
+        cursor = page.next_cursor
+
+
+async def rows(store: Store) -> list[SessionRow]:
+    """This daemon's fleet rows in stored order."""
+    return await store.read(_all_rows)
+
+
+async def parents(store: Store) -> dict[str, str | None]:
+    """session id -> parent for this daemon's rows."""
+    return {row.session_id: row.parent for row in await rows(store)}
+
+
+def all_session_rows(root: Path) -> list[tuple[Any, ...]]:
+    """Every row of the sessions table (any daemon), via plain sqlite3."""
+    return query(
+        root,
+        "SELECT session_id, agent_session_id, parent, daemon_id, owner_epoch "
+        "FROM sessions ORDER BY rowid",
+    )

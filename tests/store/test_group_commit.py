@@ -1,0 +1,275 @@
+"""Group commit: concurrent writes share transactions,
+yet each one fails or succeeds alone."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio import wait_all_tasks_blocked
+from store_helpers import new_id, opened, query, register, register_params, rows
+from towerd.daemon.store import Store, fleet
+from towerd.daemon.store.tx import Tx
+from towerd.protocol.errors import Conflict, Unavailable
+
+pytestmark = pytest.mark.anyio
+
+
+def noting_batch(seen: list[Tx], fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a store function so the test can see which transaction (Tx) it ran in."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        seen.append(tx)
+        return fn(tx, *args)
+
+    return run
+
+
+class WriterGate:
+    """Holds the writer inside one batch until released, so the next writes queue up
+    together.
+
+    The gate job blocks the database thread on a threading.Event; the test waits for it
+    to be entered through a worker thread, not by sleeping."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def job(self, tx: Tx) -> None:
+        self.entered.set()
+        assert self.release.wait(timeout=30), "gate never released"
+
+    async def close_on(self, store: Store, tasks: anyio.abc.TaskGroup) -> None:
+        tasks.start_soon(store.write, self.job)
+        await anyio.to_thread.run_sync(self.entered.wait, 30)
+
+    def open(self) -> None:
+        self.release.set()
+
+
+async def test_two_hundred_concurrent_writes_all_commit(short_tmp: Path) -> None:
+    """200 concurrent registers in one task group
+    all succeed; every row exists afterwards."""
+    ids = [new_id() for _ in range(200)]
+    answers: dict[str, str] = {}
+    async with opened(short_tmp) as store:
+
+        async def one(session_id: str) -> None:
+            answers[session_id] = await register(store, session_id=session_id)
+
+        async with anyio.create_task_group() as tasks:
+            for session_id in ids:
+                tasks.start_soon(one, session_id)
+        assert answers == {sid: sid for sid in ids}
+        assert {r.session_id for r in await rows(store)} == set(ids)
+    # Durable: a plain sqlite3 reader of the closed file sees every row.
+    assert {
+        sid for (sid,) in query(short_tmp, "SELECT session_id FROM sessions")
+    } == set(ids)
+
+
+async def test_queued_writes_commit_as_one_batch(short_tmp: Path) -> None:
+    """Writes that queue while the writer is busy
+    run together in the next single transaction."""
+    seen: list[Tx] = []
+    gate = WriterGate()
+    async with opened(short_tmp) as store:
+        async with anyio.create_task_group() as tasks:
+            await gate.close_on(store, tasks)
+            for _ in range(100):
+                tasks.start_soon(
+                    store.write,
+                    noting_batch(seen, fleet.insert_session),
+                    register_params(),
+                )
+            await wait_all_tasks_blocked()
+            gate.open()
+        assert len(seen) == 100
+        assert len({id(tx) for tx in seen}) == 1  # one Tx object = one transaction
+        assert len(await rows(store)) == 100
+
+
+async def test_batches_respect_max_batch(short_tmp: Path) -> None:
+    """With max_batch=10, 25 queued writes run as
+    transactions of 10, 10 and 5, in order."""
+    seen: list[tuple[Tx, int]] = []
+
+    def note(tx: Tx, n: int) -> int:
+        seen.append((tx, n))
+        return n
+
+    gate = WriterGate()
+    async with opened(short_tmp, max_batch=10) as store:
+        async with anyio.create_task_group() as tasks:
+            await gate.close_on(store, tasks)
+            for n in range(25):
+                tasks.start_soon(store.write, note, n)
+            await wait_all_tasks_blocked()
+            gate.open()
+    assert [n for _, n in seen] == list(range(25))
+    sizes: list[int] = []
+    for index, (tx, _) in enumerate(seen):
+        if index == 0 or tx is not seen[index - 1][0]:
+            sizes.append(0)
+        sizes[-1] += 1
+    assert sizes == [10, 10, 5]
+
+
+async def test_failing_write_fails_alone_while_batch_mates_commit(
+    short_tmp: Path,
+) -> None:
+    """In one batch, a register with a duplicate session id raises Conflict to its
+    caller only; the writes before and after it in the same transaction commit."""
+    taken = new_id()
+    before_ids = [new_id() for _ in range(5)]
+    after_ids = [new_id() for _ in range(5)]
+    outcomes: dict[str, Any] = {}
+    seen: list[Tx] = []
+
+    async with opened(short_tmp) as store:
+        await register(store, session_id=taken, name="original")
+
+        async def attempt(label: str, session_id: str, name: str) -> None:
+            try:
+                outcomes[label] = await store.write(
+                    noting_batch(seen, fleet.insert_session),
+                    register_params(session_id=session_id, name=name),
+                )
+            except Conflict as exc:
+                outcomes[label] = exc
+
+        gate = WriterGate()
+        async with anyio.create_task_group() as tasks:
+            await gate.close_on(store, tasks)
+            for n, sid in enumerate(before_ids):
+                tasks.start_soon(attempt, f"before{n}", sid, "mate")
+            tasks.start_soon(attempt, "dup", taken, "duplicate")
+            for n, sid in enumerate(after_ids):
+                tasks.start_soon(attempt, f"after{n}", sid, "mate")
+            await wait_all_tasks_blocked()
+            gate.open()
+
+        assert len({id(tx) for tx in seen}) == 1, (
+            "the writes did not share one transaction"
+        )
+        assert isinstance(outcomes["dup"], Conflict)
+        assert {k: v for k, v in outcomes.items() if k != "dup"} == {
+            **{f"before{n}": sid for n, sid in enumerate(before_ids)},
+            **{f"after{n}": sid for n, sid in enumerate(after_ids)},
+        }
+        stored = {r.session_id: r.name for r in await rows(store)}
+        assert stored == {
+            taken: "original",
+            **dict.fromkeys(before_ids + after_ids, "mate"),
+        }
+
+
+async def test_plain_exception_fails_only_its_job_and_its_partial_writes_roll_back(
+    short_tmp: Path,
+) -> None:
+    """A write function that inserts a row and then raises ValueError: its caller
+    gets that very ValueError, its row is rolled back, and its batch-mates commit."""
+    seen: list[Tx] = []
+    half_done = new_id()
+
+    class Boom(ValueError):
+        pass
+
+    def insert_then_fail(tx: Tx) -> None:
+        fleet.insert_session(tx, register_params(session_id=half_done))
+        raise Boom("bug in a handler")
+
+    outcomes: dict[str, Any] = {}
+    mates = [new_id() for _ in range(4)]
+    async with opened(short_tmp) as store:
+
+        async def attempt(label: str, fn: Callable[..., Any], *args: Any) -> None:
+            try:
+                outcomes[label] = await store.write(noting_batch(seen, fn), *args)
+            except Boom as exc:
+                outcomes[label] = exc
+
+        gate = WriterGate()
+        async with anyio.create_task_group() as tasks:
+            await gate.close_on(store, tasks)
+            tasks.start_soon(
+                attempt,
+                "m0",
+                fleet.insert_session,
+                register_params(session_id=mates[0]),
+            )
+            tasks.start_soon(
+                attempt,
+                "m1",
+                fleet.insert_session,
+                register_params(session_id=mates[1]),
+            )
+            tasks.start_soon(attempt, "boom", insert_then_fail)
+            tasks.start_soon(
+                attempt,
+                "m2",
+                fleet.insert_session,
+                register_params(session_id=mates[2]),
+            )
+            tasks.start_soon(
+                attempt,
+                "m3",
+                fleet.insert_session,
+                register_params(session_id=mates[3]),
+            )
+            await wait_all_tasks_blocked()
+            gate.open()
+
+        assert len({id(tx) for tx in seen}) == 1
+        assert (
+            type(outcomes["boom"]) is Boom
+            and str(outcomes["boom"]) == "bug in a handler"
+        )
+        assert [outcomes[f"m{n}"] for n in range(4)] == mates
+        assert [r.session_id for r in await rows(store)] == mates
+
+
+async def test_sqlite_constraint_error_in_a_job_becomes_conflict(
+    short_tmp: Path,
+) -> None:
+    """A raw IntegrityError from a store function
+    reaches the caller as the wire error Conflict."""
+
+    def raw_duplicate(tx: Tx) -> None:
+        for _ in range(2):
+            tx.conn.execute("INSERT INTO meta (key, value) VALUES ('test-key', 'v')")
+
+    async with opened(short_tmp) as store:
+        with pytest.raises(Conflict, match="UNIQUE constraint"):
+            await store.write(raw_duplicate)
+    assert query(short_tmp, "SELECT count(*) FROM meta WHERE key = 'test-key'") == [
+        (0,)
+    ]
+
+
+async def test_write_results_come_back_to_their_own_callers(short_tmp: Path) -> None:
+    """Each caller in a batch gets its own function's return value."""
+    results: dict[int, Any] = {}
+    async with opened(short_tmp) as store:
+
+        async def one(n: int) -> None:
+            results[n] = await store.write(lambda tx, value: value * 2, n)
+
+        async with anyio.create_task_group() as tasks:
+            for n in range(50):
+                tasks.start_soon(one, n)
+    assert results == {n: n * 2 for n in range(50)}
+
+
+async def test_writes_after_close_are_unavailable(short_tmp: Path) -> None:
+    """Once the store has closed, a write is
+    refused with Unavailable instead of hanging."""
+    async with opened(short_tmp) as store:
+        await register(store)
+    with pytest.raises(Unavailable):
+        await register(store)

@@ -1,0 +1,669 @@
+"""Idempotency keys: the claim order, every
+transition and refusal, isolation and concurrency."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+from store_helpers import new_id, opened, query, register_params, rows
+from towerd.daemon.store import Store, fleet
+from towerd.daemon.store import idempotency as idem
+from towerd.daemon.store.idempotency import Holder
+from towerd.daemon.store.tx import Tx
+from towerd.protocol.errors import (
+    Conflict,
+    IdempotencyConflict,
+    IdempotencyInProgress,
+    IdempotencyKeyUnknown,
+    NotFound,
+    OutcomeUnknown,
+)
+from towerd.protocol.methods import IdemClaimParams, IdemClaimResult, IdemRecord
+
+pytestmark = pytest.mark.anyio
+
+ME = "alice"
+OP = "tool.run"
+HOLDER = Holder(pid=4242, start=1000)
+OTHER_HOLDER = Holder(pid=4343, start=1000)
+
+
+def claim_params(key: str = "k1", **fields: Any) -> IdemClaimParams:
+    fields.setdefault("operation", OP)
+    return IdemClaimParams(key=key, **fields)
+
+
+async def claim(
+    store: Store,
+    key: str = "k1",
+    holder: Holder | None = HOLDER,
+    principal: str = ME,
+    **fields: Any,
+) -> IdemClaimResult:
+    return await store.write(idem.claim, principal, claim_params(key, **fields), holder)
+
+
+async def complete(
+    store: Store, key: str, result: Any, principal: str = ME
+) -> IdemRecord:
+    return await store.write(idem.complete, principal, OP, key, result)
+
+
+async def mark_unknown(store: Store, key: str, principal: str = ME) -> IdemRecord:
+    return await store.write(idem.mark_unknown, principal, OP, key)
+
+
+async def get(store: Store, key: str, principal: str = ME) -> IdemRecord:
+    return await store.read(idem.get, principal, OP, key)
+
+
+async def key_count(store: Store) -> int:
+    return len((await store.read(idem.list_keys, ME, None, None, 5000, None)).keys)
+
+
+def _backdate(tx: Tx, key: str, age_ms: int) -> None:
+    tx.conn.execute(
+        "UPDATE idempotency SET updated_at = ? WHERE key = ?", (tx.now - age_ms, key)
+    )
+
+
+# --- claim
+# ---------------------------------------------------------------------------------
+
+
+async def test_first_claim_mints_an_effect_ref_and_records_in_progress(
+    short_tmp: Path,
+) -> None:
+    """No row: 'claimed' with a fresh effect_ref;
+    the row is in_progress under the holder."""
+    async with opened(short_tmp) as store:
+        result = await claim(store, payload={"a": 1})
+        assert result.state == "claimed"
+        assert result.effect_ref and result.result is None
+        record = await get(store, "k1")
+        assert (record.state, record.effect_ref, record.holder_pid) == (
+            "in_progress",
+            result.effect_ref,
+            4242,
+        )
+        other = await claim(store, key="k2")
+        assert other.effect_ref != result.effect_ref
+
+
+async def test_claim_keeps_a_given_effect_ref(short_tmp: Path) -> None:
+    """A caller-chosen effect_ref is recorded and returned."""
+    async with opened(short_tmp) as store:
+        result = await claim(store, effect_ref="spawn-7")
+        assert (result.state, result.effect_ref) == ("claimed", "spawn-7")
+        assert (await get(store, "k1")).effect_ref == "spawn-7"
+
+
+async def test_in_progress_key_refuses_with_effect_ref_and_held_by_caller(
+    short_tmp: Path,
+) -> None:
+    """A second claim of an in-progress key: IdempotencyInProgress with data.effect_ref;
+    held_by_caller is True only for the very same Holder (pid and start)."""
+    async with opened(short_tmp) as store:
+        first = await claim(store, payload=[1])
+        for caller, expected in [
+            (HOLDER, True),
+            (OTHER_HOLDER, False),
+            (Holder(pid=HOLDER.pid, start=HOLDER.start + 1), False),  # pid reused
+            (None, False),
+        ]:
+            with pytest.raises(IdempotencyInProgress) as caught:
+                await claim(store, payload=[1], holder=caller)
+            assert caught.value.data["effect_ref"] == first.effect_ref
+            assert caught.value.data["held_by_caller"] is expected
+            assert caught.value.data["holder_pid"] == HOLDER.pid
+        assert await key_count(store) == 1
+
+
+async def test_claim_without_holder_is_never_held_by_caller(short_tmp: Path) -> None:
+    """A key claimed without a holder is not 'held by' a later holder-less caller."""
+    async with opened(short_tmp) as store:
+        await claim(store, holder=None)
+        with pytest.raises(IdempotencyInProgress) as caught:
+            await claim(store, holder=None)
+        assert caught.value.data["held_by_caller"] is False
+
+
+async def test_completed_key_replays_its_result(short_tmp: Path) -> None:
+    """A completed key answers {state: completed,
+    result, effect_ref} and runs nothing."""
+    async with opened(short_tmp) as store:
+        first = await claim(store, payload={"x": 1})
+        await complete(store, "k1", {"pid": 99, "ok": True})
+        replay = await claim(store, payload={"x": 1}, holder=OTHER_HOLDER)
+        assert replay == IdemClaimResult(
+            "completed", first.effect_ref, {"pid": 99, "ok": True}
+        )
+        assert (await get(store, "k1")).state == "completed"
+
+
+async def test_outcome_unknown_key_refuses_with_effect_ref(short_tmp: Path) -> None:
+    """An outcome_unknown key answers OutcomeUnknown
+    with data.effect_ref, for any caller."""
+    async with opened(short_tmp) as store:
+        first = await claim(store)
+        await mark_unknown(store, "k1")
+        for caller in (HOLDER, OTHER_HOLDER, None):
+            with pytest.raises(OutcomeUnknown) as caught:
+                await claim(store, holder=caller)
+            assert caught.value.data == {"effect_ref": first.effect_ref}
+        assert (await get(store, "k1")).state == "outcome_unknown"
+
+
+@pytest.mark.parametrize("state", ["in_progress", "completed", "outcome_unknown"])
+async def test_different_payload_is_a_conflict_in_every_state(
+    short_tmp: Path, state: str
+) -> None:
+    """Payload mismatch is checked first:
+    IdempotencyConflict whatever the key's state."""
+    async with opened(short_tmp) as store:
+        await claim(store, payload={"v": 1})
+        if state == "completed":
+            await complete(store, "k1", "r")
+        elif state == "outcome_unknown":
+            await mark_unknown(store, "k1")
+        before = await get(store, "k1")
+        for other in ({"v": 2}, None, [{"v": 1}]):
+            with pytest.raises(IdempotencyConflict) as caught:
+                await claim(store, payload=other, holder=HOLDER)
+            assert caught.value.data == {"operation": OP, "key": "k1", "state": state}
+        assert await get(store, "k1") == before
+
+
+async def test_payload_conflict_wins_over_replay_only(short_tmp: Path) -> None:
+    """replay_only does not skip the payload check."""
+    async with opened(short_tmp) as store:
+        await claim(store, payload=1)
+        with pytest.raises(IdempotencyConflict):
+            await claim(store, payload=2, replay_only=True)
+
+
+async def test_absent_payload_equals_null_payload(short_tmp: Path) -> None:
+    """No payload hashes as null: a retry with
+    payload=None matches a claim without one."""
+    async with opened(short_tmp) as store:
+        await claim(store)
+        await complete(store, "k1", "done")
+        assert (await claim(store, payload=None)).state == "completed"
+        assert idem.payload_hash(None) == idem.payload_hash(
+            IdemClaimParams(operation=OP, key="k").payload
+        )
+
+
+async def test_payload_map_key_order_does_not_matter(short_tmp: Path) -> None:
+    """The payload hash is canonical: maps equal
+    up to key order (at any depth) match."""
+    async with opened(short_tmp) as store:
+        await claim(store, payload={"a": 1, "b": {"y": [1, {"p": 1, "q": 2}], "x": 2}})
+        await complete(store, "k1", "ok")
+        replay = await claim(
+            store, payload={"b": {"x": 2, "y": [1, {"q": 2, "p": 1}]}, "a": 1}
+        )
+        assert (replay.state, replay.result) == ("completed", "ok")
+
+
+async def test_payload_with_non_string_map_keys_can_be_claimed(short_tmp: Path) -> None:
+    """payload is any msgpack value, and msgpack maps may have integer keys: such a
+    claim is recorded, and the canonical hash still ignores key order on retry."""
+    async with opened(short_tmp) as store:
+        first = await claim(store, payload={1: "a", 2: {3: "b"}})
+        assert first.state == "claimed"
+        await complete(store, "k1", "ok")
+        replay = await claim(store, payload={2: {3: "b"}, 1: "a"})
+        assert (replay.state, replay.result) == ("completed", "ok")
+
+
+async def test_replay_only_with_no_row_is_key_unknown_and_records_nothing(
+    short_tmp: Path,
+) -> None:
+    """replay_only on an unknown key raises
+    IdempotencyKeyUnknown and leaves no row behind."""
+    async with opened(short_tmp) as store:
+        with pytest.raises(IdempotencyKeyUnknown):
+            await claim(store, replay_only=True)
+        assert await key_count(store) == 0
+        with pytest.raises(IdempotencyKeyUnknown):
+            await get(store, "k1")
+
+
+async def test_replay_only_replays_a_completed_key(short_tmp: Path) -> None:
+    """replay_only on a completed key answers it like any claim."""
+    async with opened(short_tmp) as store:
+        await claim(store)
+        await complete(store, "k1", [1, 2])
+        assert (await claim(store, replay_only=True)).result == [1, 2]
+
+
+async def test_principals_are_isolated(short_tmp: Path) -> None:
+    """The same operation and key under two principals are two independent keys."""
+    async with opened(short_tmp) as store:
+        alice = await claim(store, principal="alice", payload=1)
+        bob = await claim(store, principal="bob", payload=2)
+        assert (alice.state, bob.state) == ("claimed", "claimed")
+        assert alice.effect_ref != bob.effect_ref
+        await complete(store, "k1", "alice's", principal="alice")
+        assert (await get(store, "k1", principal="bob")).state == "in_progress"
+        with pytest.raises(IdempotencyKeyUnknown):
+            await get(store, "k1", principal="carol")
+        listed = await store.read(idem.list_keys, "bob", None, None, 100, None)
+        assert [(r.key, r.state) for r in listed.keys] == [("k1", "in_progress")]
+
+
+async def test_operations_are_isolated(short_tmp: Path) -> None:
+    """The same key under two operations are two keys."""
+    async with opened(short_tmp) as store:
+        await claim(store, operation="a.op")
+        assert (await claim(store, operation="b.op")).state == "claimed"
+
+
+# --- complete / release / mark_unknown / resolve
+# --------------------------------------------------
+
+
+async def test_complete_from_in_progress(short_tmp: Path) -> None:
+    """complete moves in_progress -> completed and stores the result."""
+    async with opened(short_tmp) as store:
+        first = await claim(store)
+        record = await complete(store, "k1", {"out": "x"})
+        assert (record.state, record.result, record.effect_ref) == (
+            "completed",
+            {"out": "x"},
+            first.effect_ref,
+        )
+
+
+async def test_complete_from_outcome_unknown(short_tmp: Path) -> None:
+    """The claimant who knows may complete an outcome_unknown key."""
+    async with opened(short_tmp) as store:
+        await claim(store)
+        await mark_unknown(store, "k1")
+        record = await complete(store, "k1", 7)
+        assert (record.state, record.result) == ("completed", 7)
+
+
+async def test_repeat_complete_same_result_ok_different_result_conflict(
+    short_tmp: Path,
+) -> None:
+    """A repeated complete with an equal result (key order aside) is a
+    no-op; another result is Conflict and the stored result stays."""
+    async with opened(short_tmp) as store:
+        await claim(store)
+        first = await complete(store, "k1", {"a": 1, "b": 2})
+        assert await complete(store, "k1", {"b": 2, "a": 1}) == first
+        with pytest.raises(Conflict):
+            await complete(store, "k1", {"a": 1, "b": 3})
+        assert (await get(store, "k1")).result == {"a": 1, "b": 2}
+
+
+async def test_complete_unknown_key_is_key_unknown(short_tmp: Path) -> None:
+    """complete on a key never claimed is IdempotencyKeyUnknown and creates nothing."""
+    async with opened(short_tmp) as store:
+        with pytest.raises(IdempotencyKeyUnknown):
+            await complete(store, "nope", 1)
+        assert await key_count(store) == 0
+
+
+async def test_release_only_from_in_progress(short_tmp: Path) -> None:
+    """release deletes an in_progress key (a retry claims
+    afresh); completed is Conflict; outcome_unknown is
+    OutcomeUnknown; an unknown key is IdempotencyKeyUnknown."""
+    async with opened(short_tmp) as store:
+        first = await claim(store, key="ip")
+        result = await store.write(idem.release, ME, OP, "ip")
+        assert (result.key, result.released) == ("ip", True)
+        again = await claim(store, key="ip")
+        assert again.state == "claimed" and again.effect_ref != first.effect_ref
+
+        await claim(store, key="done")
+        await complete(store, "done", 1)
+        with pytest.raises(Conflict):
+            await store.write(idem.release, ME, OP, "done")
+
+        unknown = await claim(store, key="unk")
+        await mark_unknown(store, "unk")
+        with pytest.raises(OutcomeUnknown) as caught:
+            await store.write(idem.release, ME, OP, "unk")
+        assert caught.value.data == {"effect_ref": unknown.effect_ref}
+
+        with pytest.raises(IdempotencyKeyUnknown):
+            await store.write(idem.release, ME, OP, "never")
+        states = {
+            r.key: r.state
+            for r in (await store.read(idem.list_keys, ME, None, None, 10, None)).keys
+        }
+        assert states == {
+            "ip": "in_progress",
+            "done": "completed",
+            "unk": "outcome_unknown",
+        }
+
+
+async def test_mark_unknown_transitions(short_tmp: Path) -> None:
+    """in_progress -> outcome_unknown; outcome_unknown stays; completed is Conflict."""
+    async with opened(short_tmp) as store:
+        await claim(store)
+        assert (await mark_unknown(store, "k1")).state == "outcome_unknown"
+        assert (await mark_unknown(store, "k1")).state == "outcome_unknown"
+        await claim(store, key="k2")
+        await complete(store, "k2", None)
+        with pytest.raises(Conflict):
+            await mark_unknown(store, "k2")
+        assert (await get(store, "k2")).state == "completed"
+
+
+async def test_resolve_completed_from_outcome_unknown_is_logged(
+    short_tmp: Path,
+) -> None:
+    """The operator resolves an unknown key as
+    completed: record stored, operator_log written."""
+    async with opened(short_tmp) as store:
+        first = await claim(store)
+        await mark_unknown(store, "k1")
+        result = await store.write(
+            idem.resolve, ME, OP, "k1", "completed", {"checked": True}
+        )
+        assert result.outcome == "completed"
+        assert result.record is not None
+        assert (result.record.state, result.record.result) == (
+            "completed",
+            {"checked": True},
+        )
+        assert (await claim(store)).state == "completed"
+        daemon_id = store.daemon_id
+    [(log_daemon, principal, action, detail)] = query(
+        short_tmp, "SELECT daemon_id, principal, action, detail FROM operator_log"
+    )
+    assert (log_daemon, principal, action) == (daemon_id, ME, "idem.resolve")
+    assert json.loads(detail) == {
+        "operation": OP,
+        "key": "k1",
+        "outcome": "completed",
+        "effect_ref": first.effect_ref,
+    }
+
+
+async def test_resolve_abandoned_deletes_the_key_and_is_logged(short_tmp: Path) -> None:
+    """Abandoned: the key is forgotten (a retry
+    claims anew) and the decision is logged."""
+    async with opened(short_tmp) as store:
+        await claim(store)
+        await mark_unknown(store, "k1")
+        result = await store.write(idem.resolve, ME, OP, "k1", "abandoned", None)
+        assert (result.outcome, result.record) == ("abandoned", None)
+        assert (await claim(store)).state == "claimed"
+    assert [
+        json.loads(d)["outcome"]
+        for (d,) in query(short_tmp, "SELECT detail FROM operator_log")
+    ] == ["abandoned"]
+
+
+@pytest.mark.parametrize("state", ["in_progress", "completed"])
+async def test_resolve_refused_unless_outcome_unknown(
+    short_tmp: Path, state: str
+) -> None:
+    """resolve on an in_progress or completed key
+    is Conflict, changes nothing, logs nothing."""
+    async with opened(short_tmp) as store:
+        await claim(store)
+        if state == "completed":
+            await complete(store, "k1", 1)
+        before = await get(store, "k1")
+        for outcome in ("completed", "abandoned"):
+            with pytest.raises(Conflict) as caught:
+                await store.write(idem.resolve, ME, OP, "k1", outcome, 2)
+            assert caught.value.data["state"] == state
+        assert await get(store, "k1") == before
+        with pytest.raises(IdempotencyKeyUnknown):
+            await store.write(idem.resolve, ME, OP, "missing", "completed", 2)
+    assert query(short_tmp, "SELECT count(*) FROM operator_log") == [(0,)]
+
+
+# --- concurrency
+# ---------------------------------------------------------------------------------
+
+
+async def test_fifty_concurrent_claims_of_one_key_claim_exactly_once(
+    short_tmp: Path,
+) -> None:
+    """50 concurrent claims with different holders: exactly one 'claimed', 49 InProgress
+    (all naming the winner's effect_ref, none held by the caller), and one row."""
+    outcomes: list[Any] = []
+
+    async with opened(short_tmp) as store:
+
+        async def attempt(n: int) -> None:
+            try:
+                outcomes.append(
+                    await claim(
+                        store, holder=Holder(pid=1000 + n, start=n), payload="same"
+                    )
+                )
+            except IdempotencyInProgress as exc:
+                outcomes.append(exc)
+
+        async with anyio.create_task_group() as tasks:
+            for n in range(50):
+                tasks.start_soon(attempt, n)
+
+        claimed = [o for o in outcomes if isinstance(o, IdemClaimResult)]
+        refused = [o for o in outcomes if isinstance(o, IdempotencyInProgress)]
+        assert len(outcomes) == 50
+        assert [c.state for c in claimed] == ["claimed"]
+        assert len(refused) == 49
+        assert {r.data["effect_ref"] for r in refused} == {claimed[0].effect_ref}
+        assert not any(r.data["held_by_caller"] for r in refused)
+        assert await key_count(store) == 1
+
+
+# --- maintenance
+# ---------------------------------------------------------------------------------
+
+
+async def test_expire_completed_removes_only_old_completed_keys(
+    short_tmp: Path,
+) -> None:
+    """Only completed keys older than the TTL go;
+    in_progress and outcome_unknown never expire."""
+    async with opened(short_tmp) as store:
+        for key in ("old-done", "new-done", "old-ip", "old-unk"):
+            await claim(store, key=key)
+        await complete(store, "old-done", 1)
+        await complete(store, "new-done", 2)
+        await mark_unknown(store, "old-unk")
+        for key in ("old-done", "old-ip", "old-unk"):
+            await store.write(_backdate, key, 60_000)
+        expired = await store.write(idem.expire_completed, 10_000)
+        assert expired == 1
+        states = {
+            r.key: r.state
+            for r in (await store.read(idem.list_keys, ME, None, None, 10, None)).keys
+        }
+        assert states == {
+            "new-done": "completed",
+            "old-ip": "in_progress",
+            "old-unk": "outcome_unknown",
+        }
+
+
+async def test_mark_holders_dead_moves_only_that_holders_in_progress_keys(
+    short_tmp: Path,
+) -> None:
+    """A dead holder's in_progress keys become outcome_unknown; another holder's keys, a
+    reused pid with a different start, and its already completed keys are untouched."""
+    async with opened(short_tmp) as store:
+        await claim(store, key="dead-1", holder=HOLDER)
+        await claim(store, key="dead-2", holder=HOLDER, principal="bob")
+        await claim(store, key="dead-done", holder=HOLDER)
+        await complete(store, "dead-done", 1)
+        await claim(store, key="alive", holder=OTHER_HOLDER)
+        await claim(
+            store, key="reused-pid", holder=Holder(HOLDER.pid, HOLDER.start + 5)
+        )
+        await claim(store, key="no-holder", holder=None)
+        assert set(await store.read(idem.live_holders)) == {
+            HOLDER,
+            OTHER_HOLDER,
+            Holder(HOLDER.pid, HOLDER.start + 5),
+        }
+
+        moved = await store.write(idem.mark_holders_dead, [HOLDER])
+        # (rowid, principal, operation, key, effect_ref) of each key moved
+        assert sorted(m[1:4] for m in moved) == [
+            ("alice", OP, "dead-1"),
+            ("bob", OP, "dead-2"),
+        ]
+        states = {
+            r.key: r.state
+            for principal in ("alice", "bob")
+            for r in (
+                await store.read(idem.list_keys, principal, None, None, 10, None)
+            ).keys
+        }
+        assert states == {
+            "dead-1": "outcome_unknown",
+            "dead-2": "outcome_unknown",
+            "dead-done": "completed",
+            "alive": "in_progress",
+            "reused-pid": "in_progress",
+            "no-holder": "in_progress",
+        }
+
+
+async def test_list_keys_filters_and_pages(short_tmp: Path) -> None:
+    """idem.list filters by state and operation and pages in claim order."""
+    async with opened(short_tmp) as store:
+        for n in range(5):
+            await claim(store, key=f"k{n}")
+        await complete(store, "k1", None)
+        await claim(store, key="other", operation="x.op")
+        page1 = await store.read(idem.list_keys, ME, "in_progress", OP, 2, None)
+        page2 = await store.read(
+            idem.list_keys, ME, "in_progress", OP, 2, page1.next_cursor
+        )
+        assert [r.key for r in page1.keys] == ["k0", "k2"]
+        assert [r.key for r in page2.keys] == ["k3", "k4"]
+        assert page2.next_cursor is None
+        counts = await store.read(idem.count_by_state)
+        assert (counts.in_progress, counts.completed, counts.outcome_unknown) == (
+            5,
+            1,
+            0,
+        )
+
+
+# --- session.register with an idempotency key
+# -----------------------------------------------------
+
+
+async def test_register_retry_returns_the_same_session_and_inserts_once(
+    short_tmp: Path,
+) -> None:
+    """A retried register under one key answers the
+    first session id and inserts no second row."""
+    async with opened(short_tmp) as store:
+        params = register_params(
+            idempotency_key="reg-1", name="w", agent_session_id="as-1"
+        )
+        first = await store.write(fleet.register_session, ME, params, HOLDER)
+        second = await store.write(fleet.register_session, ME, params, OTHER_HOLDER)
+        assert second.session_id == first.session_id
+        assert [r.session_id for r in await rows(store)] == [first.session_id]
+        record = await store.read(idem.get, ME, fleet.REGISTER_OPERATION, "reg-1")
+        assert (record.state, record.effect_ref, record.result) == (
+            "completed",
+            first.session_id,
+            {"session_id": first.session_id},
+        )
+
+
+async def test_concurrent_register_retries_insert_once(short_tmp: Path) -> None:
+    """Ten concurrent retries of one keyed register: one row, one session id for all."""
+    answers: list[str] = []
+    async with opened(short_tmp) as store:
+        params = register_params(idempotency_key="reg-c")
+
+        async def attempt() -> None:
+            answers.append(
+                (await store.write(fleet.register_session, ME, params, None)).session_id
+            )
+
+        async with anyio.create_task_group() as tasks:
+            for _ in range(10):
+                tasks.start_soon(attempt)
+        assert len(answers) == 10 and len(set(answers)) == 1
+        assert [r.session_id for r in await rows(store)] == answers[:1]
+
+
+async def test_register_with_different_params_under_the_same_key_conflicts(
+    short_tmp: Path,
+) -> None:
+    """Other params under a used key: IdempotencyConflict and no second row."""
+    async with opened(short_tmp) as store:
+        await store.write(
+            fleet.register_session,
+            ME,
+            register_params(idempotency_key="k", name="a"),
+            None,
+        )
+        with pytest.raises(IdempotencyConflict):
+            await store.write(
+                fleet.register_session,
+                ME,
+                register_params(idempotency_key="k", name="b"),
+                None,
+            )
+        assert [r.name for r in await rows(store)] == ["a"]
+
+
+async def test_register_key_is_per_principal(short_tmp: Path) -> None:
+    """The same register key under another principal registers another session."""
+    async with opened(short_tmp) as store:
+        params = register_params(idempotency_key="k")
+        a = await store.write(fleet.register_session, "alice", params, None)
+        b = await store.write(fleet.register_session, "bob", params, None)
+        assert a.session_id != b.session_id
+        assert len(await rows(store)) == 2
+
+
+async def test_failed_keyed_register_records_no_key(short_tmp: Path) -> None:
+    """A keyed register that fails (missing parent)
+    leaves no key, so a fixed retry can succeed."""
+    async with opened(short_tmp) as store:
+        params = register_params(idempotency_key="k", parent=new_id())
+        with pytest.raises(NotFound):
+            await store.write(fleet.register_session, ME, params, None)
+        with pytest.raises(IdempotencyKeyUnknown):
+            await store.read(idem.get, ME, fleet.REGISTER_OPERATION, "k")
+        assert await rows(store) == []
+
+
+async def test_register_key_in_progress_from_a_claim_is_refused(
+    short_tmp: Path,
+) -> None:
+    """A register key that a client claimed by hand
+    (in progress) is refused, not run twice."""
+    async with opened(short_tmp) as store:
+        params = register_params(idempotency_key="k")
+        digest_payload = msgspec.structs.asdict(params)
+        del digest_payload["idempotency_key"]
+        await store.write(
+            idem.claim,
+            ME,
+            IdemClaimParams(
+                operation=fleet.REGISTER_OPERATION, key="k", payload=digest_payload
+            ),
+            HOLDER,
+        )
+        with pytest.raises(IdempotencyInProgress) as caught:
+            await store.write(fleet.register_session, ME, params, HOLDER)
+        assert caught.value.data["held_by_caller"] is True
+        assert await rows(store) == []
