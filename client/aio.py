@@ -91,10 +91,12 @@ class AsyncClient(TowerdAPI[Any]):
             raise self._lost
         self._next_id += 1
         request_id = self._next_id
+        max_request = int(self.hello.get("max_frame", DEFAULT_MAX_FRAME))
+        frame = encode_request(request_id, method, dict(params or {}), max_request)
         pending = self._pending[request_id] = _Pending()
         try:
             async with self._send_lock:
-                await self._stream.send(encode_request(request_id, method, dict(params or {})))
+                await self._stream.send(frame)
             with anyio.fail_after(self.timeout):
                 await pending.done.wait()
         except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:

@@ -90,6 +90,11 @@ class Client(TowerdAPI[Any]):
             max(DEFAULT_MAX_FRAME, int(self.hello.get("max_frame", 0))) + RESPONSE_SLACK
         )
 
+    @property
+    def max_request(self) -> int:
+        """Largest request payload the daemon accepts (learnt from hello)."""
+        return int(self.hello.get("max_frame", DEFAULT_MAX_FRAME))
+
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
@@ -124,7 +129,9 @@ class Client(TowerdAPI[Any]):
         for method, params in calls:
             self._next_id += 1
             ids.append(self._next_id)
-            frames.append(encode_request(self._next_id, method, dict(params or {})))
+            frames.append(
+                encode_request(self._next_id, method, dict(params or {}), self.max_request)
+            )
         try:
             sock.sendall(b"".join(frames))
             answers: dict[int, Any] = {}

@@ -15,8 +15,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from towerd.protocol.errors import BadFrame, Internal, TowerdError, error_for_code
-from towerd.protocol.framing import encode_frame
+from towerd.protocol.errors import BadFrame, FrameTooLarge, Internal, TowerdError, error_for_code
+from towerd.protocol.framing import DEFAULT_MAX_FRAME, encode_frame
 
 FRAME_ERROR_ID = 0
 MAX_REQUEST_ID = 2**63 - 1
@@ -93,9 +93,19 @@ def encode_error(request_id: int, error: TowerdError) -> bytes:
     return encode_frame(_encoder.encode(ErrorResponse(request_id, body)))
 
 
-def encode_request(request_id: int, method: str, params: dict[str, Any]) -> bytes:
-    """A whole request frame, as clients send it."""
-    return encode_frame(_encoder.encode({"id": request_id, "method": method, "params": params}))
+def encode_request(
+    request_id: int, method: str, params: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME
+) -> bytes:
+    """A whole request frame, as clients send it; ``FrameTooLarge`` if the daemon would
+    refuse it (so nothing is sent, and the caller knows nothing was applied)."""
+    payload = _encoder.encode({"id": request_id, "method": method, "params": params})
+    if len(payload) > max_frame:
+        raise FrameTooLarge(
+            f"the {method} request is {len(payload)} bytes, over the daemon's frame limit of "
+            f"{max_frame} bytes; nothing was sent",
+            {"length": len(payload), "limit": max_frame},
+        )
+    return encode_frame(payload)
 
 
 def decode_response(payload: bytes) -> tuple[int, Any, TowerdError | None]:
