@@ -205,6 +205,8 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
     parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES")
     parser.add_argument("--completed-ttl", type=float, default=24 * 3600, metavar="SECONDS",
                         help="how long completed idempotency keys are kept (default 24 h)")
+    parser.add_argument("--expiry-interval", type=float, default=600.0, metavar="SECONDS",
+                        help="how often expired completed keys are swept (default 600)")
     parser.add_argument("--holder-check-interval", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS")
     parser.add_argument("--log-level", default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
@@ -218,6 +220,7 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         max_frame=args.max_frame,
         completed_ttl_seconds=args.completed_ttl,
         holder_check_interval=args.holder_check_interval,
+        expiry_interval=args.expiry_interval,
         shutdown_grace=args.shutdown_grace,
         takeover=args.takeover,
         takeover_timeout=args.takeover_timeout,

@@ -1,0 +1,112 @@
+"""Daemon-wide behaviour: configuration by environment, periodic expiry, request logs,
+and a fault inside a handler."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+
+import pytest
+from towerd.client import Client, IdempotencyKeyUnknown, Internal
+from towerd_testing import TOWERCTL, wait_for
+
+
+def test_environment_configures_daemon_and_clients(make_daemon, short_tmp):
+    """TOWERD_SOCKET and TOWERD_STATE_DIR replace --socket/--state-dir for towerd, the
+    Python client and towerctl alike; the missing socket directory is created."""
+    daemon = make_daemon()
+    socket_path = short_tmp / "from-env" / "t.sock"
+    state_dir = short_tmp / "state-from-env"
+    env = daemon.env(TOWERD_SOCKET=str(socket_path), TOWERD_STATE_DIR=str(state_dir))
+    daemon.extra_args = []
+    daemon.proc = subprocess.Popen(
+        [str(daemon.command()[0]), "--log-format", "json"], env=env,
+        stdout=open(daemon.log_path, "ab"), stderr=subprocess.STDOUT,
+    )
+    proc = daemon.proc
+    daemon.notify.wait_for("READY=1", timeout=20, alive=lambda: proc.poll() is None)
+    assert (state_dir / "towerd.db").exists()
+    ping = subprocess.run([TOWERCTL, "ping"], env=env, capture_output=True, text=True, timeout=30)
+    assert (ping.returncode, ping.stdout.strip()) == (0, "pong")
+    os.environ["TOWERD_SOCKET"] = str(socket_path)
+    try:
+        with Client() as client:
+            assert client.status()["db_path"] == str(state_dir / "towerd.db")
+    finally:
+        del os.environ["TOWERD_SOCKET"]
+    assert daemon.stop() == 0
+
+
+def test_completed_keys_expire_periodically_and_unknown_ones_never(make_daemon):
+    """With a short TTL, a completed key disappears while the daemon runs; an
+    outcome_unknown key of the same age stays."""
+    daemon = make_daemon()
+    daemon.extra_args = ["--completed-ttl", "0.2", "--expiry-interval", "0.2"]
+    daemon.start()
+    with daemon.client() as client:
+        client.idem_claim("op", "unknown")
+        client.idem_mark_unknown("op", "unknown")
+        client.idem_claim("op", "done")
+        client.idem_complete("op", "done", "ok")
+
+        def expired() -> bool:
+            try:
+                client.idem_get("op", "done")
+            except IdempotencyKeyUnknown:
+                return True
+            return False
+
+        wait_for(expired, timeout=10, what="the completed key to expire")
+        assert client.idem_get("op", "unknown")["state"] == "outcome_unknown"
+    assert daemon.stop() == 0
+
+
+def log_lines(daemon) -> list[dict]:
+    return [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+
+
+def test_each_request_is_logged_with_its_context(daemon):
+    """JSON log lines (stderr is not a terminal) carry method, principal, duration and
+    the error code of each request."""
+    with daemon.client(principal="agent-9") as client:
+        client.ping()
+        with pytest.raises(IdempotencyKeyUnknown):
+            client.idem_get("op", "missing")
+    lines = wait_for(
+        lambda: [l for l in log_lines(daemon) if l.get("event") == "request"
+                 and l.get("method") == "idem.get"],
+        timeout=10, what="the request log line",
+    )
+    line = lines[-1]
+    assert line["principal"] == f"uid:{os.geteuid()}:agent-9"
+    assert line["code"] == "idempotency_key_unknown"
+    assert isinstance(line["duration_ms"], float)
+    assert line["level"] == "debug" and "timestamp" in line
+
+
+def test_a_fault_inside_a_handler_is_internal_logged_and_survived(daemon):
+    """A stored result that no longer decodes (a damaged row) makes idem.get fail inside
+    the handler: the caller gets `internal`, the log has the traceback, other requests
+    and other connections keep being served."""
+    with daemon.client() as client:
+        client.idem_claim("op", "damaged")
+        client.idem_complete("op", "damaged", {"fine": True})
+    db = sqlite3.connect(daemon.state_dir / "towerd.db")
+    with db:
+        db.execute("UPDATE idempotency SET result = x'c1' WHERE key = 'damaged'")
+    db.close()
+    with daemon.client() as client:
+        with pytest.raises(Internal) as failure:
+            client.idem_get("op", "damaged")
+        assert "idem.get" in failure.value.message
+        assert client.ping()["pong"]
+    crashed = wait_for(
+        lambda: [l for l in log_lines(daemon) if l.get("event") == "request_crashed"],
+        timeout=10, what="the crash log line",
+    )
+    assert crashed[-1]["code"] == "internal" and crashed[-1]["method"] == "idem.get"
+    assert "exception" in crashed[-1]  # structured traceback
+    with daemon.client() as other:
+        assert other.ping()["pong"]
