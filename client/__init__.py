@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from towerd.client.idempotent import EffectNotStarted, run_once
+from towerd.client.sync import Client
 from towerd.protocol.errors import (
     BadArgs,
     BadFrame,
@@ -31,8 +33,6 @@ from towerd.protocol.errors import (
     Unavailable,
     UnknownMethod,
 )
-from towerd.client.idempotent import EffectNotStarted, run_once
-from towerd.client.sync import Client
 
 if TYPE_CHECKING:
     from towerd.client.aio import AsyncClient, run_once_async

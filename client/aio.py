@@ -18,14 +18,13 @@ from typing import Any
 
 import anyio
 from anyio.abc import SocketStream
-
+from towerd.client.api import TowerdAPI
+from towerd.client.idempotent import RunEffect, idempotent_steps
+from towerd.client.sync import DEFAULT_TIMEOUT, default_client_name, hello_params
 from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder, FrameTooLargeError
 from towerd.protocol.envelope import FRAME_ERROR_ID, decode_response, encode_request
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.paths import default_socket_path
-from towerd.client.api import TowerdAPI
-from towerd.client.idempotent import RunEffect, idempotent_steps
-from towerd.client.sync import DEFAULT_TIMEOUT, default_client_name, hello_params
 
 
 @dataclass(eq=False)
@@ -62,7 +61,8 @@ class AsyncClient(TowerdAPI[Any]):
             stream = await anyio.connect_unix(path)
         except OSError as exc:
             raise Unavailable(
-                f"cannot connect to towerd at {path}: {exc.strerror or exc}; is the daemon running?",
+                f"cannot connect to towerd at {path}: {exc.strerror or exc}; "
+                "is the daemon running?",
                 {"socket": str(path), "reason": "connect"},
             ) from None
         failure: Exception | None = None
@@ -160,7 +160,6 @@ class AsyncClient(TowerdAPI[Any]):
             cursor = page.get("next_cursor")
             if cursor is None:
                 return
-
 
 
 async def run_once_async(

@@ -66,9 +66,7 @@ class TowerdAPI(Generic[R]):
     def fleet_get(self, session_id: str) -> R:
         return self.call("fleet.get", {"session_id": session_id})
 
-    def fleet_write(
-        self, sessions: Iterable[Mapping[str, Any]], removed: Iterable[str] = ()
-    ) -> R:
+    def fleet_write(self, sessions: Iterable[Mapping[str, Any]], removed: Iterable[str] = ()) -> R:
         return self.call("fleet.write", {"sessions": list(sessions), "removed": list(removed)})
 
     def fleet_import_legacy(self, entries: Iterable[Any]) -> R:

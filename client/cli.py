@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from towerd.client.sync import Client
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.fields import IDEM_STATES, SESSION_FIELDS
-from towerd.client.sync import Client
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -50,7 +50,9 @@ def _json_arg(text: str | None, what: str) -> Any:
 
 
 _SESSION_TEXT_FIELDS = [
-    name for name in SESSION_FIELDS if name not in ("pinned", "exited", "last_attached_at", "cwd", "agent")
+    name
+    for name in SESSION_FIELDS
+    if name not in ("pinned", "exited", "last_attached_at", "cwd", "agent")
 ]
 
 
@@ -60,8 +62,14 @@ def _add_session_field_options(parser: argparse.ArgumentParser, *, for_update: b
     if for_update:
         parser.add_argument("--cwd", default=None)
         parser.add_argument("--agent", default=None)
-    parser.add_argument("--last-attached-at", dest="last_attached_at", type=int, default=None,
-                        metavar="MILLIS", help="milliseconds since the Unix epoch")
+    parser.add_argument(
+        "--last-attached-at",
+        dest="last_attached_at",
+        type=int,
+        default=None,
+        metavar="MILLIS",
+        help="milliseconds since the Unix epoch",
+    )
     parser.add_argument("--pinned", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--exited", action=argparse.BooleanOptionalAction, default=None)
 
@@ -180,7 +188,10 @@ def _table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> st
     cells = [[title for _key, title in columns]]
     for row in rows:
         cells.append(
-            [_when(row.get(key)) if key.endswith("_at") else _cell(row.get(key)) for key, _ in columns]
+            [
+                _when(row.get(key)) if key.endswith("_at") else _cell(row.get(key))
+                for key, _ in columns
+            ]
         )
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join(
@@ -209,8 +220,16 @@ def render(result: Any) -> str:
 def render_fleet(result: dict[str, Any]) -> str:
     text = _table(
         result["sessions"],
-        [("session_id", "SESSION"), ("name", "NAME"), ("agent", "AGENT"), ("parent", "PARENT"),
-         ("pinned", "PINNED"), ("exited", "EXITED"), ("cwd", "CWD"), ("updated_at", "UPDATED")],
+        [
+            ("session_id", "SESSION"),
+            ("name", "NAME"),
+            ("agent", "AGENT"),
+            ("parent", "PARENT"),
+            ("pinned", "PINNED"),
+            ("exited", "EXITED"),
+            ("cwd", "CWD"),
+            ("updated_at", "UPDATED"),
+        ],
     )
     cursor = result.get("next_cursor")
     return text + (f"\nnext cursor: {cursor}" if cursor is not None else "")
@@ -219,8 +238,13 @@ def render_fleet(result: dict[str, Any]) -> str:
 def render_keys(result: dict[str, Any]) -> str:
     text = _table(
         result["keys"],
-        [("operation", "OPERATION"), ("key", "KEY"), ("state", "STATE"),
-         ("effect_ref", "EFFECT_REF"), ("updated_at", "UPDATED")],
+        [
+            ("operation", "OPERATION"),
+            ("key", "KEY"),
+            ("state", "STATE"),
+            ("effect_ref", "EFFECT_REF"),
+            ("updated_at", "UPDATED"),
+        ],
     )
     cursor = result.get("next_cursor")
     return text + (f"\nnext cursor: {cursor}" if cursor is not None else "")
@@ -252,11 +276,17 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit status: 0 ok, 1 the daemon answered an error, 2 bad usage, "
         "3 the daemon could not be reached",
     )
-    parser.add_argument("--socket", default=None, help="daemon socket (default $TOWERD_SOCKET, "
-                        "else $XDG_RUNTIME_DIR/towerd/towerd.sock)")
-    parser.add_argument("--json", action="store_true", help="print results and errors as JSON on stdout")
-    parser.add_argument("--principal", default=None,
-                        help="whose idempotency keys to use (default: default)")
+    parser.add_argument(
+        "--socket",
+        default=None,
+        help="daemon socket (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print results and errors as JSON on stdout"
+    )
+    parser.add_argument(
+        "--principal", default=None, help="whose idempotency keys to use (default: default)"
+    )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -268,43 +298,67 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     command(commands, "ping", lambda c, a: c.ping(), "check that the daemon answers", render_pong)
-    command(commands, "status", lambda c, a: c.status(), "daemon identity, counts, last reconciliation")
+    command(
+        commands, "status", lambda c, a: c.status(), "daemon identity, counts, last reconciliation"
+    )
     command(commands, "shutdown", lambda c, a: c.shutdown(), "stop the daemon gracefully")
 
     fleet = command(commands, "fleet", None, "fleet rows").add_subparsers(
-        dest="fleet_command", required=True, metavar="SUBCOMMAND")
+        dest="fleet_command", required=True, metavar="SUBCOMMAND"
+    )
     p = command(fleet, "list", cmd_fleet_list, "this daemon's rows in stored order", render_fleet)
     p.add_argument("--limit", type=int, default=None, help="one page of at most N rows")
     p.add_argument("--cursor", type=int, default=None, help="continue after this cursor")
     p = command(fleet, "get", lambda c, a: c.fleet_get(a.session_id), "one row")
     p.add_argument("session_id")
-    p = command(fleet, "import-legacy", cmd_fleet_import_legacy, "import a legacy fleet JSON file",
-                render_import)
+    p = command(
+        fleet,
+        "import-legacy",
+        cmd_fleet_import_legacy,
+        "import a legacy fleet JSON file",
+        render_import,
+    )
     p.add_argument("path")
-    p = command(fleet, "adopt", lambda c, a: c.fleet_adopt(a.daemon_id),
-                "take over the rows of a daemon that is gone for good")
+    p = command(
+        fleet,
+        "adopt",
+        lambda c, a: c.fleet_adopt(a.daemon_id),
+        "take over the rows of a daemon that is gone for good",
+    )
     p.add_argument("daemon_id")
 
     session = command(commands, "session", None, "one fleet row").add_subparsers(
-        dest="session_command", required=True, metavar="SUBCOMMAND")
+        dest="session_command", required=True, metavar="SUBCOMMAND"
+    )
     p = command(session, "register", cmd_session_register, "insert a row; prints its session id")
     p.add_argument("--cwd", required=True)
     p.add_argument("--agent", required=True)
     p.add_argument("--session-id", default=None, help="a UUID of your own (default: minted)")
-    p.add_argument("--idempotency-key", default=None,
-                   help="a retry with the same key returns the same session id")
+    p.add_argument(
+        "--idempotency-key",
+        default=None,
+        help="a retry with the same key returns the same session id",
+    )
     _add_session_field_options(p, for_update=False)
     p = command(session, "update", cmd_session_update, "rewrite the given fields of a row")
     p.add_argument("session_id")
     _add_session_field_options(p, for_update=True)
-    p.add_argument("--clear", action="append", default=[], choices=[
-        name for name in SESSION_FIELDS if name not in ("cwd", "agent", "pinned", "exited")],
-        metavar="FIELD", help="set FIELD to null (repeatable)")
+    p.add_argument(
+        "--clear",
+        action="append",
+        default=[],
+        choices=[
+            name for name in SESSION_FIELDS if name not in ("cwd", "agent", "pinned", "exited")
+        ],
+        metavar="FIELD",
+        help="set FIELD to null (repeatable)",
+    )
     p = command(session, "remove", lambda c, a: c.session_remove(a.session_id), "delete a row")
     p.add_argument("session_id")
 
     idem = command(commands, "idem", None, "idempotency keys").add_subparsers(
-        dest="idem_command", required=True, metavar="SUBCOMMAND")
+        dest="idem_command", required=True, metavar="SUBCOMMAND"
+    )
 
     def keyed(name: str, run: Command, help: str) -> argparse.ArgumentParser:
         p = command(idem, name, run, help)
@@ -313,28 +367,57 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = keyed("claim", cmd_idem_claim, "claim a key before running its effect")
-    p.add_argument("--payload", default=None, metavar="JSON",
-                   help="the request's payload; a retry must send the same")
-    p.add_argument("--effect-ref", default=None, metavar="REF",
-                   help="what the effect will create (default: a minted UUID)")
-    p.add_argument("--holder-pid", type=int, default=None, metavar="PID",
-                   help="the process doing the effect (default: this command's parent)")
-    p.add_argument("--replay-only", action="store_true",
-                   help="only report a stored outcome; never claim")
-    p = keyed("complete", lambda c, a: c.idem_complete(a.operation, a.key, _json_arg(a.result, "--result")),
-              "record the effect's result")
+    p.add_argument(
+        "--payload",
+        default=None,
+        metavar="JSON",
+        help="the request's payload; a retry must send the same",
+    )
+    p.add_argument(
+        "--effect-ref",
+        default=None,
+        metavar="REF",
+        help="what the effect will create (default: a minted UUID)",
+    )
+    p.add_argument(
+        "--holder-pid",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="the process doing the effect (default: this command's parent)",
+    )
+    p.add_argument(
+        "--replay-only", action="store_true", help="only report a stored outcome; never claim"
+    )
+    p = keyed(
+        "complete",
+        lambda c, a: c.idem_complete(a.operation, a.key, _json_arg(a.result, "--result")),
+        "record the effect's result",
+    )
     p.add_argument("--result", default=None, metavar="JSON")
-    keyed("release", lambda c, a: c.idem_release(a.operation, a.key),
-          "drop a key whose effect never started")
-    keyed("mark-unknown", lambda c, a: c.idem_mark_unknown(a.operation, a.key),
-          "declare that the effect's outcome cannot be known")
+    keyed(
+        "release",
+        lambda c, a: c.idem_release(a.operation, a.key),
+        "drop a key whose effect never started",
+    )
+    keyed(
+        "mark-unknown",
+        lambda c, a: c.idem_mark_unknown(a.operation, a.key),
+        "declare that the effect's outcome cannot be known",
+    )
     keyed("get", lambda c, a: c.idem_get(a.operation, a.key), "one key")
-    p = keyed("resolve", lambda c, a: c.idem_resolve(
-        a.operation, a.key, a.outcome, _json_arg(a.result, "--result")),
-        "settle an outcome_unknown key after checking the effect by hand")
-    p.add_argument("--outcome", required=True, choices=["completed", "abandoned"],
-                   help="completed: it happened (give --result); abandoned: it did not, "
-                   "a retry runs it afresh")
+    p = keyed(
+        "resolve",
+        lambda c, a: c.idem_resolve(a.operation, a.key, a.outcome, _json_arg(a.result, "--result")),
+        "settle an outcome_unknown key after checking the effect by hand",
+    )
+    p.add_argument(
+        "--outcome",
+        required=True,
+        choices=["completed", "abandoned"],
+        help="completed: it happened (give --result); abandoned: it did not, "
+        "a retry runs it afresh",
+    )
     p.add_argument("--result", default=None, metavar="JSON")
     p = command(idem, "list", cmd_idem_list, "this principal's keys", render_keys)
     p.add_argument("--state", choices=IDEM_STATES, default=None)
@@ -342,11 +425,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--cursor", type=int, default=None)
 
-    p = command(commands, "install-systemd", cmd_install_systemd,
-                "install towerd.service and towerd.socket as user units")
+    p = command(
+        commands,
+        "install-systemd",
+        cmd_install_systemd,
+        "install towerd.service and towerd.socket as user units",
+    )
     p.add_argument("--dir", default=None, help="unit directory (default ~/.config/systemd/user)")
-    p.add_argument("--enable", action="store_true",
-                   help="also run systemctl --user daemon-reload and enable --now towerd.socket")
+    p.add_argument(
+        "--enable",
+        action="store_true",
+        help="also run systemctl --user daemon-reload and enable --now towerd.socket",
+    )
     p.set_defaults(offline=True)
     return parser
 
@@ -361,8 +451,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "offline", False):
             result = args.run(None, args)
         else:
-            with Client(args.socket, timeout=args.timeout, principal=args.principal,
-                        client_name="towerctl") as client:
+            with Client(
+                args.socket, timeout=args.timeout, principal=args.principal, client_name="towerctl"
+            ) as client:
                 result = args.run(client, args)
     except UsageError as exc:
         print(f"towerctl: {exc}", file=sys.stderr)

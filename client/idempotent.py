@@ -27,8 +27,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from towerd.protocol.errors import IdempotencyInProgress, TowerdError, Unavailable
 from towerd.client.sync import DEFAULT_TIMEOUT, Client
+from towerd.protocol.errors import IdempotencyInProgress, TowerdError, Unavailable
 
 
 class EffectNotStarted(Exception):
@@ -49,9 +49,7 @@ class RunEffect:
 Step = Call | RunEffect
 
 
-def idempotent_steps(
-    operation: str, key: str, payload: Any = None
-) -> Generator[Step, Any, Any]:
+def idempotent_steps(operation: str, key: str, payload: Any = None) -> Generator[Step, Any, Any]:
     """The claim -> effect -> complete protocol, as steps for a driver to carry out.
 
     The driver sends back each call's result, or throws its ``TowerdError``

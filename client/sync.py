@@ -16,11 +16,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from towerd.client.api import TowerdAPI
 from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol.envelope import FRAME_ERROR_ID, decode_response, encode_request
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.paths import default_socket_path
-from towerd.client.api import TowerdAPI
 
 DEFAULT_TIMEOUT = 10.0
 
@@ -186,7 +186,9 @@ class Client(TowerdAPI[Any]):
             if cursor is None:
                 return
 
-    def iter_keys(self, state: str | None = None, page_size: int | None = None) -> Iterator[dict[str, Any]]:
+    def iter_keys(
+        self, state: str | None = None, page_size: int | None = None
+    ) -> Iterator[dict[str, Any]]:
         cursor = None
         while True:
             page = self.idem_list(state=state, limit=page_size, cursor=cursor)

@@ -13,15 +13,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from towerd.daemon.processes import holder_of
+from towerd.daemon.store import Store, fleet, idempotency
+from towerd.daemon.store.idempotency import Holder
+from towerd.daemon.store.legacy import import_legacy
+from towerd.daemon.store.status import status_counts
+from towerd.daemon.store.tx import now_ms
 from towerd.protocol import PROTOCOL_VERSION, SERVER_NAME, VERSION
 from towerd.protocol import methods as m
 from towerd.protocol.errors import BadArgs, Conflict
-from towerd.daemon.processes import holder_of
-from towerd.daemon.store import Store, fleet, idempotency
-from towerd.daemon.store.legacy import import_legacy
-from towerd.daemon.store.status import status_counts
-from towerd.daemon.store.idempotency import Holder
-from towerd.daemon.store.tx import now_ms
 
 
 @dataclass
@@ -190,7 +190,9 @@ class Handlers:
         )
 
     async def idem_get(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemRecord:
-        return await self.store.read(idempotency.get, caller.principal, params.operation, params.key)
+        return await self.store.read(
+            idempotency.get, caller.principal, params.operation, params.key
+        )
 
     async def idem_list(self, caller: Caller, params: m.IdemListParams) -> m.IdemListResult:
         return await self.store.read(

@@ -33,7 +33,9 @@ class InstanceLock:
         self.path = path
 
     @classmethod
-    def acquire(cls, state_dir: Path, socket_path: Path, *, wait_seconds: float = 0.0) -> InstanceLock:
+    def acquire(
+        cls, state_dir: Path, socket_path: Path, *, wait_seconds: float = 0.0
+    ) -> InstanceLock:
         """Take the lock, waiting up to ``wait_seconds``; else raise ``AlreadyRunning``."""
         path = state_dir / LOCK_FILE
         check_private(path, "lock file", want_dir=False)

@@ -18,9 +18,6 @@ import anyio
 import msgspec
 import structlog
 from anyio.abc import SocketListener
-
-from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
-from towerd.protocol.paths import default_socket_path, default_state_dir
 from towerd.daemon import systemd
 from towerd.daemon.handlers import DaemonInfo, Handlers
 from towerd.daemon.instance import AlreadyRunning, InstanceLock
@@ -30,6 +27,8 @@ from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.server import Server, bind_private_socket
 from towerd.daemon.store import StoreConfig, open_store
 from towerd.daemon.store.tx import now_ms
+from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
+from towerd.protocol.paths import default_socket_path, default_state_dir
 
 EXIT_OK = 0
 EXIT_ALREADY_RUNNING = 75  # EX_TEMPFAIL
@@ -195,22 +194,46 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
     parser = argparse.ArgumentParser(
         prog="towerd", description="The towerd daemon: fleet state and idempotency keys."
     )
-    parser.add_argument("--socket", type=Path, default=None, help="Unix socket path "
-                        "(default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock)")
-    parser.add_argument("--state-dir", type=Path, default=None, help="state directory "
-                        "(default $TOWERD_STATE_DIR, else $XDG_STATE_HOME/towerd)")
-    parser.add_argument("--takeover", action="store_true",
-                        help="ask the running daemon to stop, then start at the next epoch")
+    parser.add_argument(
+        "--socket",
+        type=Path,
+        default=None,
+        help="Unix socket path (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="state directory (default $TOWERD_STATE_DIR, else $XDG_STATE_HOME/towerd)",
+    )
+    parser.add_argument(
+        "--takeover",
+        action="store_true",
+        help="ask the running daemon to stop, then start at the next epoch",
+    )
     parser.add_argument("--takeover-timeout", type=float, default=15.0, metavar="SECONDS")
     parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES")
-    parser.add_argument("--completed-ttl", type=float, default=24 * 3600, metavar="SECONDS",
-                        help="how long completed idempotency keys are kept (default 24 h)")
-    parser.add_argument("--expiry-interval", type=float, default=600.0, metavar="SECONDS",
-                        help="how often expired completed keys are swept (default 600)")
+    parser.add_argument(
+        "--completed-ttl",
+        type=float,
+        default=24 * 3600,
+        metavar="SECONDS",
+        help="how long completed idempotency keys are kept (default 24 h)",
+    )
+    parser.add_argument(
+        "--expiry-interval",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how often expired completed keys are swept (default 600)",
+    )
     parser.add_argument("--holder-check-interval", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS")
-    parser.add_argument("--log-level", default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
-                        choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level",
+        default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
+        choices=["debug", "info", "warning", "error"],
+    )
     parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
     parser.add_argument("--version", action="version", version=f"towerd {VERSION}")
     args = parser.parse_args(argv)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import anyio
 import structlog
-
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import Store, idempotency
 from towerd.daemon.store.idempotency import Holder
@@ -45,12 +44,14 @@ class HolderSweep:
         report = await self.store.write(settle_dead_holders, dead)
         for principal, operation, key in report.unknown:
             log.warning(
-                "holder_died", code="outcome_unknown", principal=principal, operation=operation, key=key
+                "holder_died",
+                code="outcome_unknown",
+                principal=principal,
+                operation=operation,
+                key=key,
             )
         for principal, operation, key in report.completed:
-            log.info(
-                "holder_died_after_effect", principal=principal, operation=operation, key=key
-            )
+            log.info("holder_died_after_effect", principal=principal, operation=operation, key=key)
         return len(report.unknown) + len(report.completed)
 
 

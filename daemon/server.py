@@ -23,7 +23,9 @@ import anyio
 import msgspec
 import structlog
 from anyio.abc import SocketListener, SocketStream
-
+from towerd.daemon.handlers import Caller, Handlers
+from towerd.daemon.private_paths import StartRefused, ensure_private_dir
+from towerd.daemon.processes import holder_of, peer_credentials
 from towerd.protocol import PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol import methods as m
 from towerd.protocol.envelope import (
@@ -43,9 +45,6 @@ from towerd.protocol.errors import (
     Unauthorized,
     UnknownMethod,
 )
-from towerd.daemon.handlers import Caller, Handlers
-from towerd.daemon.private_paths import StartRefused, ensure_private_dir
-from towerd.daemon.processes import holder_of, peer_credentials
 
 log = structlog.get_logger("towerd.server")
 
@@ -203,7 +202,9 @@ class Server:
                             log.info(
                                 "frame_refused", code="frame_too_large", length=decoder.error.length
                             )
-                            await send(encode_error(FRAME_ERROR_ID, FrameTooLarge(str(decoder.error))))
+                            await send(
+                                encode_error(FRAME_ERROR_ID, FrameTooLarge(str(decoder.error)))
+                            )
                             return
                 finally:
                     self._readers.discard(reader)
@@ -248,7 +249,9 @@ class Server:
         started = time.perf_counter()
         code = None
         try:
-            with structlog.contextvars.bound_contextvars(method=request.method, request_id=request.id):
+            with structlog.contextvars.bound_contextvars(
+                method=request.method, request_id=request.id
+            ):
                 try:
                     handler = self.handlers.table.get(request.method)
                     if handler is None:

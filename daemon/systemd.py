@@ -58,5 +58,7 @@ def listen_socket() -> socket.socket | None:
     sock = socket.socket(fileno=SD_LISTEN_FDS_START)
     sock.set_inheritable(False)
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
-        raise OSError(f"systemd passed a {sock.family!r}/{sock.type!r} socket, not a Unix stream socket")
+        raise OSError(
+            f"systemd passed a {sock.family!r}/{sock.type!r} socket, not a Unix stream socket"
+        )
     return sock

@@ -10,8 +10,8 @@ which the daemon imports and short-lived clients do not need.
 from towerd.protocol.errors import ERROR_CODES, TowerdError, error_for_code
 from towerd.protocol.framing import (
     DEFAULT_MAX_FRAME,
-    FrameDecoder,
     RESPONSE_SLACK,
+    FrameDecoder,
     FrameTooLargeError,
     encode_frame,
 )

@@ -22,7 +22,8 @@ class TowerdError(Exception):
         self.data = data
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r}, data={self.data!r})"
+        name = type(self).__name__
+        return f"{name}(code={self.code!r}, message={self.message!r}, data={self.data!r})"
 
     def to_wire(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "message": self.message}

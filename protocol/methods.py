@@ -16,7 +16,6 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
-
 from towerd.protocol.fields import SESSION_FIELDS
 
 # --- shared field types ------------------------------------------------------
@@ -211,9 +210,7 @@ class SessionUpdateParams(Struct):
 
     def given_fields(self) -> dict[str, Any]:
         return {
-            name: value
-            for name in SESSION_FIELDS
-            if (value := getattr(self, name)) is not UNSET
+            name: value for name in SESSION_FIELDS if (value := getattr(self, name)) is not UNSET
         }
 
 
@@ -369,8 +366,12 @@ class MethodSpec(Struct, frozen=True):
 METHODS: dict[str, MethodSpec] = {
     "hello": MethodSpec(HelloParams, HelloResult, False, "handshake; must be the first request"),
     "ping": MethodSpec(Empty, PingResult, False, "liveness check"),
-    "status": MethodSpec(Empty, StatusResult, False, "daemon identity, counts, last reconciliation"),
-    "shutdown": MethodSpec(Empty, ShutdownResult, False, "stop gracefully after in-flight requests"),
+    "status": MethodSpec(
+        Empty, StatusResult, False, "daemon identity, counts, last reconciliation"
+    ),
+    "shutdown": MethodSpec(
+        Empty, ShutdownResult, False, "stop gracefully after in-flight requests"
+    ),
     "session.register": MethodSpec(
         SessionRegisterParams, SessionRegisterResult, True, "insert one fleet row"
     ),
@@ -390,9 +391,7 @@ METHODS: dict[str, MethodSpec] = {
     "idem.release": MethodSpec(
         IdemKeyParams, IdemReleaseResult, True, "drop a key whose effect never started"
     ),
-    "idem.mark_unknown": MethodSpec(
-        IdemKeyParams, IdemRecord, True, "declare the outcome unknown"
-    ),
+    "idem.mark_unknown": MethodSpec(IdemKeyParams, IdemRecord, True, "declare the outcome unknown"),
     "idem.get": MethodSpec(IdemKeyParams, IdemRecord, False, "one key"),
     "idem.list": MethodSpec(IdemListParams, IdemListResult, False, "keys, paged"),
     "idem.resolve": MethodSpec(

@@ -14,9 +14,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 def build_wheel(out: Path) -> Path:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(out)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(REPO),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     (wheel,) = out.glob("towerd-*.whl")
     return wheel
@@ -32,8 +44,11 @@ def test_wheel_installs_only_the_towerd_namespace(short_tmp):
         assert f"towerd/{package}/__init__.py" in names
         assert f"towerd/{package}/py.typed" in names
     assert "towerd/systemd/towerd.service" in names and "towerd/systemd/towerd.socket" in names
-    entry_points = zipfile.ZipFile(build_wheel(short_tmp / "again")).read(
-        "towerd-0.1.0.dist-info/entry_points.txt").decode()
+    entry_points = (
+        zipfile.ZipFile(build_wheel(short_tmp / "again"))
+        .read("towerd-0.1.0.dist-info/entry_points.txt")
+        .decode()
+    )
     assert "towerd = towerd.daemon.main:main" in entry_points
     assert "towerctl = towerd.client.cli:main" in entry_points
 
@@ -43,25 +58,58 @@ def test_non_editable_install_runs(short_tmp):
     the installed copy, not the source tree."""
     wheel = build_wheel(short_tmp / "dist")
     venv = short_tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-         "--no-deps", "-q", str(wheel)],
-        check=True, capture_output=True, timeout=300,
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--no-deps",
+            "-q",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     # Dependencies come from this environment's site-packages (no .pth processing there,
     # so the editable install of the source tree stays out of the way).
     env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
-    version = subprocess.run([str(venv / "bin" / "towerd"), "--version"], env=env, cwd="/",
-                             capture_output=True, text=True, timeout=60)
+    version = subprocess.run(
+        [str(venv / "bin" / "towerd"), "--version"],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert version.returncode == 0 and "towerd 0.1.0" in version.stdout, version.stderr
     where = subprocess.run(
-        [str(venv / "bin" / "python"), "-c",
-         "import towerd.client, towerd.daemon.main, towerd.protocol.methods; print(towerd.client.__file__)"],
-        env=env, cwd="/", capture_output=True, text=True, timeout=60,
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import towerd.client, towerd.daemon.main, towerd.protocol.methods; "
+            "print(towerd.client.__file__)",
+        ],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert where.returncode == 0, where.stderr
     assert where.stdout.strip().startswith(str(venv))
-    usage = subprocess.run([str(venv / "bin" / "towerctl"), "--help"], env=env, cwd="/",
-                           capture_output=True, text=True, timeout=60)
+    usage = subprocess.run(
+        [str(venv / "bin" / "towerctl"), "--help"],
+        env=env,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert usage.returncode == 0 and "idem" in usage.stdout

@@ -36,7 +36,6 @@ def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "c
         time.sleep(0.02)
 
 
-
 class NotifySocket:
     """A datagram socket standing in for systemd's $NOTIFY_SOCKET."""
 
@@ -46,7 +45,9 @@ class NotifySocket:
         self.sock.bind(str(path))
         self.messages: list[str] = []
 
-    def wait_for(self, needle: str, timeout: float, alive: Callable[[], bool] = lambda: True) -> str:
+    def wait_for(
+        self, needle: str, timeout: float, alive: Callable[[], bool] = lambda: True
+    ) -> str:
         """Wait for a message containing ``needle``; fail early if ``alive()`` turns False."""
         deadline = time.monotonic() + timeout
         for message in self.messages:
@@ -69,7 +70,6 @@ class NotifySocket:
         self.sock.close()
 
 
-
 class Daemon:
     """A towerd subprocess. ``start()`` returns once it sent READY=1."""
 
@@ -85,10 +85,14 @@ class Daemon:
     def command(self, *extra: str) -> list[str]:
         return [
             TOWERD,
-            "--socket", str(self.socket_path),
-            "--state-dir", str(self.state_dir),
-            "--log-format", "json",
-            "--log-level", "debug",
+            "--socket",
+            str(self.socket_path),
+            "--state-dir",
+            str(self.state_dir),
+            "--log-format",
+            "json",
+            "--log-level",
+            "debug",
             *self.extra_args,
             *extra,
         ]
@@ -147,8 +151,9 @@ class Daemon:
         self.notify.close()
 
 
-
-def towerctl(daemon: Daemon, *args: str, check: bool = False, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+def towerctl(
+    daemon: Daemon, *args: str, check: bool = False, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
     """Run the real CLI against ``daemon``'s socket."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOWERD_")}
     return subprocess.run(
@@ -160,4 +165,3 @@ def towerctl(daemon: Daemon, *args: str, check: bool = False, **kwargs: Any) -> 
         timeout=30,
         **kwargs,
     )
-

@@ -13,7 +13,17 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
-
+from towerd.daemon.store.idempotency import (
+    COMPLETED,
+    Holder,
+    log_operator_action,
+    payload_hash,
+    replay_or_refuse,
+)
+from towerd.daemon.store.idempotency import insert as insert_key
+from towerd.daemon.store.reconcile import settle
+from towerd.daemon.store.relink import relink
+from towerd.daemon.store.tx import PAGE_BYTES, Tx, take_page
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch
 from towerd.protocol.methods import (
     SESSION_FIELDS,
@@ -27,17 +37,6 @@ from towerd.protocol.methods import (
     SessionRow,
     SessionUpdateParams,
 )
-from towerd.daemon.store.idempotency import (
-    COMPLETED,
-    Holder,
-    log_operator_action,
-    payload_hash,
-    replay_or_refuse,
-)
-from towerd.daemon.store.idempotency import insert as insert_key
-from towerd.daemon.store.reconcile import settle
-from towerd.daemon.store.relink import relink
-from towerd.daemon.store.tx import PAGE_BYTES, Tx, take_page
 
 ROW_COLUMNS = ("session_id", *SESSION_FIELDS, "daemon_id", "owner_epoch", "updated_at")
 _SELECT_ROW = f"SELECT {', '.join(ROW_COLUMNS)} FROM sessions"
@@ -99,7 +98,9 @@ def get_session(tx: Tx, session_id: str) -> SessionRow:
         f"{_SELECT_ROW} WHERE session_id = ? AND daemon_id = ?", (session_id, tx.daemon_id)
     ).fetchone()
     if values is None:
-        raise NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
+        raise NotFound(
+            f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
+        )
     return row_from_sql(values)
 
 
@@ -210,7 +211,9 @@ def update_session(tx: Tx, params: SessionUpdateParams) -> SessionRow:
     session_id = params.session_id
     require_writable(tx, [session_id])
     if _own_row(tx, session_id) is None:
-        raise NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
+        raise NotFound(
+            f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
+        )
     fields = params.given_fields()
     if fields.get("parent") is not None:
         if fields["parent"] == session_id:
@@ -244,7 +247,9 @@ def remove_session(tx: Tx, session_id: str) -> SessionRemoveResult:
     """Delete one row; its sub-sessions become top-level."""
     require_writable(tx, [session_id])
     if _own_row(tx, session_id) is None:
-        raise NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
+        raise NotFound(
+            f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
+        )
     tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
     children = [
         row[0]
@@ -442,7 +447,14 @@ def register_session(
         return SessionRegisterResult(session_id=stored["session_id"])
     session_id = insert_session(tx, params)
     insert_key(
-        tx, principal, REGISTER_OPERATION, key, digest, COMPLETED, session_id,
-        {"session_id": session_id}, holder,
+        tx,
+        principal,
+        REGISTER_OPERATION,
+        key,
+        digest,
+        COMPLETED,
+        session_id,
+        {"session_id": session_id},
+        holder,
     )
     return SessionRegisterResult(session_id=session_id)

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from towerd.daemon.store.tx import PAGE_BYTES, Tx, pack, pack_canonical, take_page, unpack
 from towerd.protocol.errors import (
     Conflict,
     IdempotencyConflict,
@@ -31,7 +32,6 @@ from towerd.protocol.methods import (
     IdemResolveResult,
     KeyCounts,
 )
-from towerd.daemon.store.tx import PAGE_BYTES, Tx, pack, pack_canonical, take_page, unpack
 
 IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
@@ -159,7 +159,9 @@ def claim(
             {"operation": params.operation, "key": params.key},
         )
     effect_ref = params.effect_ref or str(uuid.uuid4())
-    insert(tx, principal, params.operation, params.key, digest, IN_PROGRESS, effect_ref, None, holder)
+    insert(
+        tx, principal, params.operation, params.key, digest, IN_PROGRESS, effect_ref, None, holder
+    )
     return IdemClaimResult("claimed", effect_ref)
 
 
@@ -285,14 +287,20 @@ def resolve(
         tx,
         principal,
         "idem.resolve",
-        {"operation": operation, "key": key, "outcome": outcome, "effect_ref": row.record.effect_ref},
+        {
+            "operation": operation,
+            "key": key,
+            "outcome": outcome,
+            "effect_ref": row.record.effect_ref,
+        },
     )
     return IdemResolveResult(operation=operation, key=key, outcome=outcome, record=record)
 
 
 def log_operator_action(tx: Tx, principal: str, action: str, detail: dict[str, Any]) -> None:
     tx.conn.execute(
-        "INSERT INTO operator_log (at, daemon_id, principal, action, detail) VALUES (?, ?, ?, ?, ?)",
+        "INSERT INTO operator_log (at, daemon_id, principal, action, detail) "
+        "VALUES (?, ?, ?, ?, ?)",
         (tx.now, tx.daemon_id, principal, action, json.dumps(detail, sort_keys=True, default=str)),
     )
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-
+from towerd.daemon.store.fleet import agent_session_index, write_fleet
+from towerd.daemon.store.tx import Tx
 from towerd.protocol.methods import (
     LegacyImported,
     LegacyImportResult,
@@ -22,8 +23,6 @@ from towerd.protocol.methods import (
     Millis,
     SessionEntry,
 )
-from towerd.daemon.store.fleet import agent_session_index, write_fleet
-from towerd.daemon.store.tx import Tx
 
 
 class LegacyEntry(msgspec.Struct):
@@ -84,7 +83,9 @@ def import_legacy(tx: Tx, raw_entries: Sequence[Any]) -> LegacyImportResult:
                 LegacySkip(
                     index=index,
                     reason=f"invalid entry: {exc}",
-                    agent_session_id=agent_session_id if isinstance(agent_session_id, str) else None,
+                    agent_session_id=agent_session_id
+                    if isinstance(agent_session_id, str)
+                    else None,
                 )
             )
             continue
@@ -130,7 +131,9 @@ def import_legacy(tx: Tx, raw_entries: Sequence[Any]) -> LegacyImportResult:
         skipped=len(skips),
         skips=skips,
         sessions=[
-            LegacyImported(agent_session_id=entry.agent_session_id or "", session_id=entry.session_id)
+            LegacyImported(
+                agent_session_id=entry.agent_session_id or "", session_id=entry.session_id
+            )
             for entry in entries
         ],
     )

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from towerd.protocol.methods import ReconcileReport
 from towerd.daemon.store.idempotency import (
     COMPLETED,
     Holder,
@@ -25,6 +24,7 @@ from towerd.daemon.store.idempotency import (
     mark_holders_dead,
 )
 from towerd.daemon.store.tx import Tx, pack
+from towerd.protocol.methods import ReconcileReport
 
 EvidenceProbe = Callable[[Tx, str], "dict[str, Any] | None"]
 

@@ -21,8 +21,6 @@ APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
 SCHEMA_VERSION = 1
 
 
-
-
 @dataclass(frozen=True)
 class Migration:
     version: int
@@ -127,9 +125,7 @@ def check_header(conn: sqlite3.Connection, db_path: Path) -> int:
             )
         return 0
     if application_id != APPLICATION_ID:
-        raise StartRefused(
-            f"{db_path}: not a towerd database (application_id {application_id:#x})"
-        )
+        raise StartRefused(f"{db_path}: not a towerd database (application_id {application_id:#x})")
     if version > SCHEMA_VERSION:
         raise StartRefused(
             f"{db_path}: database schema version {version} is newer than this towerd "

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from towerd.protocol.methods import KeyCounts
 from towerd.daemon.store import fleet, idempotency
 from towerd.daemon.store.tx import Tx
+from towerd.protocol.methods import KeyCounts
 
 
 def status_counts(tx: Tx) -> tuple[int, KeyCounts]:

@@ -23,13 +23,12 @@ from typing import Any, TypeVar
 
 import aiosqlite
 import anyio
-
-from towerd.protocol.errors import StaleEpoch, Unavailable
-from towerd.protocol.methods import ReconcileReport
 from towerd.daemon.private_paths import check_private, ensure_private_dir
 from towerd.daemon.store import schema
 from towerd.daemon.store.reconcile import start_daemon
 from towerd.daemon.store.tx import Tx, now_ms, translate_sqlite_error
+from towerd.protocol.errors import StaleEpoch, Unavailable
+from towerd.protocol.methods import ReconcileReport
 
 T = TypeVar("T")
 
@@ -218,7 +217,9 @@ def _as_wire_error(exc: BaseException) -> BaseException:
 def _create_private_file(path: Path) -> None:
     """Create the DB file 0600 ourselves, so SQLite (and its -wal/-shm) inherit the mode."""
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(
+            path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
     except FileExistsError:
         return
     os.close(fd)
@@ -283,4 +284,3 @@ async def open_store(config: StoreConfig) -> AsyncIterator[Store]:
             await reader.close()
     finally:
         await writer.close()
-

@@ -63,7 +63,9 @@ T = TypeVar("T")
 PAGE_BYTES = DEFAULT_MAX_FRAME // 2  # default byte budget of one listing page
 
 
-def take_page(rows: list[tuple[int, T]], limit: int, byte_budget: int) -> tuple[list[T], int | None]:
+def take_page(
+    rows: list[tuple[int, T]], limit: int, byte_budget: int
+) -> tuple[list[T], int | None]:
     """One page of ``(rowid, item)`` rows fetched with ``LIMIT limit + 1``.
 
     Stops early once the items' encoded size would pass ``byte_budget`` (at least

@@ -58,14 +58,9 @@ async def test_hello_ping_status(daemon):
 async def test_sessions_and_fleet(daemon):
     """Session and fleet methods (register..adopt) through the async client."""
     async with AsyncClient.open(daemon.socket_path) as c:
-        first = (await c.session_register(cwd="/a", agent="claude", name="one"))[
-            "session_id"
-        ]
+        first = (await c.session_register(cwd="/a", agent="claude", name="one"))["session_id"]
         again = await c.session_register(cwd="/b", agent="codex", idempotency_key="reg")
-        assert (
-            await c.session_register(cwd="/b", agent="codex", idempotency_key="reg")
-            == again
-        )
+        assert await c.session_register(cwd="/b", agent="codex", idempotency_key="reg") == again
         second = again["session_id"]
         row = await c.session_update(first, name="uno", pinned=True)
         assert (row["name"], row["pinned"], row["cwd"]) == ("uno", True, "/a")
@@ -137,9 +132,7 @@ async def test_idempotency_methods(daemon):
             ("c", "completed"),
             ("d", "in_progress"),
         ]
-        assert [k["key"] for k in (await c.idem_list(state="in_progress"))["keys"]] == [
-            "d"
-        ]
+        assert [k["key"] for k in (await c.idem_list(state="in_progress"))["keys"]] == ["d"]
         paged = await c.idem_list(limit=2)
         rest = await c.idem_list(limit=2, cursor=paged["next_cursor"])
         assert [k["key"] for k in paged["keys"] + rest["keys"]] == ["a", "c", "d"]
@@ -183,9 +176,7 @@ async def test_hundred_concurrent_calls_on_one_connection(daemon):
             elif i % 4 == 1:
                 results[i] = await c.idem_claim("pipe", f"k{i}", effect_ref=f"ref-{i}")
             elif i % 4 == 2:
-                results[i] = await c.session_register(
-                    cwd=f"/p{i}", agent="a", name=f"n{i}"
-                )
+                results[i] = await c.session_register(cwd=f"/p{i}", agent="a", name=f"n{i}")
             else:
                 try:
                     await c.idem_get("pipe", f"missing-{i}")
@@ -271,13 +262,10 @@ async def test_run_once_async_sync_and_async_effects(daemon):
     assert await run_once_async("op", "sync", sync_effect, socket_path=sock) == first
     assert len(calls) == 1
 
-    second = await run_once_async(
-        "op", "async", async_effect, socket_path=sock, payload=[1]
-    )
+    second = await run_once_async("op", "async", async_effect, socket_path=sock, payload=[1])
     assert second == {"async": calls[1]}
     assert (
-        await run_once_async("op", "async", async_effect, socket_path=sock, payload=[1])
-        == second
+        await run_once_async("op", "async", async_effect, socket_path=sock, payload=[1]) == second
     )
     assert len(calls) == 2
 
@@ -305,9 +293,7 @@ async def test_run_once_async_effect_not_started_releases(daemon):
         with pytest.raises(IdempotencyKeyUnknown):
             await c.idem_get("op", "k")
     assert (
-        await run_once_async(
-            "op", "k", lambda ref: calls.append(ref) or "ok", socket_path=sock
-        )
+        await run_once_async("op", "k", lambda ref: calls.append(ref) or "ok", socket_path=sock)
         == "ok"
     )
     assert len(calls) == 2

@@ -33,9 +33,7 @@ HELLO = request(1, "hello", {"protocol": 1, "client": "raw-test"})
 
 
 def hello_frame(principal: str) -> bytes:
-    return request(
-        1, "hello", {"protocol": 1, "client": "raw-test", "principal": principal}
-    )
+    return request(1, "hello", {"protocol": 1, "client": "raw-test", "principal": principal})
 
 
 class Raw:
@@ -234,19 +232,11 @@ def test_second_hello_is_conflict_and_connection_stays(raw):
         pytest.param(msgspec.msgpack.encode([1, "ping", {}]), id="array"),
         pytest.param(msgspec.msgpack.encode(7), id="integer"),
         pytest.param(msgspec.msgpack.encode({"id": 0, "method": "ping"}), id="id-zero"),
-        pytest.param(
-            msgspec.msgpack.encode({"id": -3, "method": "ping"}), id="id-negative"
-        ),
-        pytest.param(
-            msgspec.msgpack.encode({"id": "1", "method": "ping"}), id="id-string"
-        ),
-        pytest.param(
-            msgspec.msgpack.encode({"id": 2**63, "method": "ping"}), id="id-too-big"
-        ),
+        pytest.param(msgspec.msgpack.encode({"id": -3, "method": "ping"}), id="id-negative"),
+        pytest.param(msgspec.msgpack.encode({"id": "1", "method": "ping"}), id="id-string"),
+        pytest.param(msgspec.msgpack.encode({"id": 2**63, "method": "ping"}), id="id-too-big"),
         pytest.param(msgspec.msgpack.encode({"method": "ping"}), id="no-id"),
-        pytest.param(
-            msgspec.msgpack.encode({"id": 1, "method": "ping"}) + b"\x00", id="trailing"
-        ),
+        pytest.param(msgspec.msgpack.encode({"id": 1, "method": "ping"}) + b"\x00", id="trailing"),
     ],
 )
 def test_garbage_frame_is_bad_frame_id_0(raw, payload, after_hello):
@@ -286,11 +276,7 @@ def test_requests_before_a_bad_frame_are_answered(raw):
     """Pipelined requests ahead of a bad frame are answered before the close."""
     conn = raw()
     conn.hello()
-    conn.send(
-        b"".join(request(i, "ping") for i in (2, 3, 4))
-        + frame(b"\xc1")
-        + request(5, "ping")
-    )
+    conn.send(b"".join(request(i, "ping") for i in (2, 3, 4)) + frame(b"\xc1") + request(5, "ping"))
     answers = {}
     for _ in range(4):
         answer = conn.recv()
@@ -340,15 +326,11 @@ def test_frame_of_exactly_the_limit_is_accepted(raw):
     """A request frame of exactly 1 MiB is served (the limit is inclusive)."""
     conn = raw()
     conn.hello()
-    base = len(
-        msgspec.msgpack.encode({"id": 2, "method": "ping", "params": {"pad": ""}})
-    )
+    base = len(msgspec.msgpack.encode({"id": 2, "method": "ping", "params": {"pad": ""}}))
     # str8/16/32 headers differ in size; a pad over 65535 bytes uses a 5-byte header (vs
     # 1).
     pad = "x" * (MAX_FRAME - base - 4)
-    payload = msgspec.msgpack.encode(
-        {"id": 2, "method": "ping", "params": {"pad": pad}}
-    )
+    payload = msgspec.msgpack.encode({"id": 2, "method": "ping", "params": {"pad": pad}})
     assert len(payload) == MAX_FRAME
     conn.send(frame(payload))
     answer = conn.recv()
@@ -440,9 +422,7 @@ def test_unknown_method_wins_over_bad_params(raw):
     """An unknown method with junk params is unknown_method, not bad_args."""
     conn = raw()
     conn.hello()
-    assert (
-        error_of(conn.call(2, "__class__", [b"\x00", None]))["code"] == "unknown_method"
-    )
+    assert error_of(conn.call(2, "__class__", [b"\x00", None]))["code"] == "unknown_method"
     conn.ping(3)
 
 

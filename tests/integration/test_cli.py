@@ -123,9 +123,7 @@ def test_shutdown_json(daemon):
 
 def test_session_register_update_remove(daemon):
     """register prints a session id (same on a keyed retry); update/remove work."""
-    text = ok_text(
-        daemon, "session", "register", "--cwd", "/w", "--agent", "claude", "--name", "t"
-    )
+    text = ok_text(daemon, "session", "register", "--cwd", "/w", "--agent", "claude", "--name", "t")
     match = re.fullmatch(rf"session_id: ({UUID_RE})\n", text)
     assert match, text
     text_id = match.group(1)
@@ -202,9 +200,7 @@ def test_session_register_update_remove(daemon):
         None,
         99,
     )
-    shown = pairs(
-        ok_text(daemon, "session", "update", text_id, "--exited", "--cwd", "/moved")
-    )
+    shown = pairs(ok_text(daemon, "session", "update", text_id, "--exited", "--cwd", "/moved"))
     assert (shown["session_id"], shown["exited"], shown["cwd"], shown["name"]) == (
         text_id,
         "yes",
@@ -249,9 +245,7 @@ def test_fleet_list_and_get(daemon):
 
     page = ok_json(daemon, "fleet", "list", "--limit", "2")
     assert [r["session_id"] for r in page["sessions"]] == ids[:2]
-    rest = ok_json(
-        daemon, "fleet", "list", "--limit", "2", "--cursor", str(page["next_cursor"])
-    )
+    rest = ok_json(daemon, "fleet", "list", "--limit", "2", "--cursor", str(page["next_cursor"]))
     assert [r["session_id"] for r in rest["sessions"]] == ids[2:]
     assert rest["next_cursor"] is None
 
@@ -266,9 +260,7 @@ def test_fleet_list_and_get(daemon):
         "CWD",
         "UPDATED",
     ]
-    assert [line.split()[:2] for line in table[1:]] == [
-        [sid, f"n{i}"] for i, sid in enumerate(ids)
-    ]
+    assert [line.split()[:2] for line in table[1:]] == [[sid, f"n{i}"] for i, sid in enumerate(ids)]
     paged = ok_text(daemon, "fleet", "list", "--limit", "1").splitlines()
     assert len(paged) == 3 and paged[1].startswith(ids[0])
     first_page = ok_json(daemon, "fleet", "list", "--limit", "1")
@@ -289,8 +281,7 @@ def test_fleet_list_and_get(daemon):
     }
     text_error(daemon, "fleet", "get", missing, code="not_found")
     assert (
-        "`$.session_id`"
-        in json_error(daemon, "fleet", "get", "bogus", code="bad_args")["message"]
+        "`$.session_id`" in json_error(daemon, "fleet", "get", "bogus", code="bad_args")["message"]
     )
 
 
@@ -338,9 +329,7 @@ def test_fleet_import_legacy(daemon, short_tmp):
 def test_fleet_import_legacy_text_reports_counts_and_skips(daemon, short_tmp):
     """Without --json, import-legacy still shows counts and why entries were skipped."""
     path = short_tmp / "fleet.json"
-    path.write_text(
-        json.dumps([{"agentSessionID": "L3", "cwd": "/3", "agent": "codex"}, 5])
-    )
+    path.write_text(json.dumps([{"agentSessionID": "L3", "cwd": "/3", "agent": "codex"}, 5]))
     text = ok_text(daemon, "fleet", "import-legacy", str(path))
     (row,) = ok_json(daemon, "fleet", "list")["sessions"]
     assert row["agent_session_id"] == "L3"
@@ -359,9 +348,7 @@ def _plant_foreign_rows(state_dir: Path, daemon_id: str) -> str:
 
     async def plant() -> str:
         async with open_store(StoreConfig(state_dir, daemon_id=daemon_id)) as store:
-            return await store.write(
-                insert_session, SessionRegisterParams(cwd="/f", agent="a")
-            )
+            return await store.write(insert_session, SessionRegisterParams(cwd="/f", agent="a"))
 
     return anyio.run(plant)
 
@@ -427,23 +414,17 @@ def test_idem_claim_holder_defaults_to_parent(daemon):
     with daemon.client() as c:
         c.idem_claim("op", "poke")
     wait_for(
-        lambda: (
-            ok_json(daemon, "idem", "get", "op", "theirs")["state"] == "outcome_unknown"
-        ),
+        lambda: ok_json(daemon, "idem", "get", "op", "theirs")["state"] == "outcome_unknown",
         timeout=10,
         what="the dead holder's key to turn outcome_unknown",
     )
     assert ok_json(daemon, "idem", "get", "op", "mine")["state"] == "in_progress"
-    assert pairs(ok_text(daemon, "idem", "get", "op", "mine"))["holder_pid"] == str(
-        os.getpid()
-    )
+    assert pairs(ok_text(daemon, "idem", "get", "op", "mine"))["holder_pid"] == str(os.getpid())
 
 
 def test_idem_claim_complete_get(daemon):
     """claim, complete --result and get in both modes; a replay returns the result."""
-    text = pairs(
-        ok_text(daemon, "idem", "claim", "deploy", "t1", "--payload", '{"v": 1}')
-    )
+    text = pairs(ok_text(daemon, "idem", "claim", "deploy", "t1", "--payload", '{"v": 1}'))
     assert text["state"] == "claimed" and re.fullmatch(UUID_RE, text["effect_ref"])
     claimed = ok_json(
         daemon,
@@ -458,9 +439,7 @@ def test_idem_claim_complete_get(daemon):
     )
     assert claimed == {"state": "claimed", "effect_ref": "ref-j1"}
 
-    done = ok_json(
-        daemon, "idem", "complete", "deploy", "j1", "--result", '{"url": "u"}'
-    )
+    done = ok_json(daemon, "idem", "complete", "deploy", "j1", "--result", '{"url": "u"}')
     assert (done["state"], done["result"], done["effect_ref"]) == (
         "completed",
         {"url": "u"},
@@ -515,14 +494,10 @@ def test_idem_claim_complete_get(daemon):
 def test_idem_in_progress_error(daemon):
     """A second claim of a held key fails with idempotency_in_progress in both modes."""
     first = ok_json(daemon, "idem", "claim", "op", "busy")
-    err = json_error(
-        daemon, "idem", "claim", "op", "busy", code="idempotency_in_progress"
-    )
+    err = json_error(daemon, "idem", "claim", "op", "busy", code="idempotency_in_progress")
     assert err["data"]["effect_ref"] == first["effect_ref"]
     assert err["data"]["holder_pid"] == os.getpid()
-    stderr = text_error(
-        daemon, "idem", "claim", "op", "busy", code="idempotency_in_progress"
-    )
+    stderr = text_error(daemon, "idem", "claim", "op", "busy", code="idempotency_in_progress")
     assert "in progress" in stderr
 
 
@@ -544,15 +519,9 @@ def test_idem_release_and_mark_unknown(daemon):
     json_error(daemon, "idem", "release", "op", "r2", code="idempotency_key_unknown")
 
     ok_json(daemon, "idem", "claim", "op", "u1")
-    assert (
-        ok_json(daemon, "idem", "mark-unknown", "op", "u1")["state"]
-        == "outcome_unknown"
-    )
+    assert ok_json(daemon, "idem", "mark-unknown", "op", "u1")["state"] == "outcome_unknown"
     ok_json(daemon, "idem", "claim", "op", "u2")
-    assert (
-        pairs(ok_text(daemon, "idem", "mark-unknown", "op", "u2"))["state"]
-        == "outcome_unknown"
-    )
+    assert pairs(ok_text(daemon, "idem", "mark-unknown", "op", "u2"))["state"] == "outcome_unknown"
     json_error(daemon, "idem", "claim", "op", "u1", code="outcome_unknown")
     text_error(daemon, "idem", "release", "op", "u2", code="outcome_unknown")
 
@@ -585,13 +554,9 @@ def test_idem_resolve(daemon):
         "record": None,
     }
     assert ok_json(daemon, "idem", "claim", "op", "b")["state"] == "claimed"
-    text = ok_text(
-        daemon, "idem", "resolve", "op", "c", "--outcome", "completed", "--result", "5"
-    )
+    text = ok_text(daemon, "idem", "resolve", "op", "c", "--outcome", "completed", "--result", "5")
     assert pairs(text)["outcome"] == "completed" and "  state: completed" in text
-    assert pairs(
-        ok_text(daemon, "idem", "resolve", "op", "d", "--outcome", "abandoned")
-    ) == {
+    assert pairs(ok_text(daemon, "idem", "resolve", "op", "d", "--outcome", "abandoned")) == {
         "operation": "op",
         "key": "d",
         "outcome": "abandoned",
@@ -601,9 +566,7 @@ def test_idem_resolve(daemon):
         daemon, "idem", "resolve", "op", "a", "--outcome", "abandoned", code="conflict"
     )
     assert err["data"]["state"] == "completed"
-    text_error(
-        daemon, "idem", "resolve", "op", "b", "--outcome", "completed", code="conflict"
-    )
+    text_error(daemon, "idem", "resolve", "op", "b", "--outcome", "completed", code="conflict")
     r = towerctl(daemon, "idem", "resolve", "op", "a", "--outcome", "maybe")
     assert r.returncode == 2 and r.stdout == ""
     r = towerctl(daemon, "idem", "resolve", "op", "a")
@@ -618,22 +581,16 @@ def test_idem_list(daemon):
     listed = ok_json(daemon, "idem", "list")
     assert list(listed) == ["keys"]
     assert [k["key"] for k in listed["keys"]] == ["k0", "k1", "k2", "k3"]
-    assert [
-        k["key"]
-        for k in ok_json(daemon, "idem", "list", "--state", "completed")["keys"]
-    ] == ["k0"]
-    assert [
-        k["key"]
-        for k in ok_json(daemon, "idem", "list", "--operation", "build")["keys"]
-    ] == [
+    assert [k["key"] for k in ok_json(daemon, "idem", "list", "--state", "completed")["keys"]] == [
+        "k0"
+    ]
+    assert [k["key"] for k in ok_json(daemon, "idem", "list", "--operation", "build")["keys"]] == [
         "k1",
         "k3",
     ]
     page = ok_json(daemon, "idem", "list", "--limit", "3")
     assert len(page["keys"]) == 3 and page["next_cursor"] is not None
-    rest = ok_json(
-        daemon, "idem", "list", "--limit", "3", "--cursor", str(page["next_cursor"])
-    )
+    rest = ok_json(daemon, "idem", "list", "--limit", "3", "--cursor", str(page["next_cursor"]))
     assert [k["key"] for k in rest["keys"]] == ["k3"] and rest["next_cursor"] is None
     assert ok_json(daemon, "--principal", "other", "idem", "list") == {"keys": []}
 
@@ -652,8 +609,7 @@ def test_principal_option(daemon):
     """--principal scopes keys: another principal does not see them."""
     ok_json(daemon, "--principal", "alice", "idem", "claim", "op", "k")
     assert (
-        ok_json(daemon, "--principal", "alice", "idem", "get", "op", "k")["state"]
-        == "in_progress"
+        ok_json(daemon, "--principal", "alice", "idem", "get", "op", "k")["state"] == "in_progress"
     )
     json_error(
         daemon,
@@ -723,9 +679,7 @@ def test_install_systemd(short_tmp):
         service = (unit_dir / "towerd.service").read_text()
         socket_unit = (unit_dir / "towerd.socket").read_text()
         assert "@TOWERD@" not in service and "@TOWERD@" not in socket_unit
-        (exec_start,) = [
-            line for line in service.splitlines() if line.startswith("ExecStart=")
-        ]
+        (exec_start,) = [line for line in service.splitlines() if line.startswith("ExecStart=")]
         executable = Path(exec_start.removeprefix("ExecStart=").split()[0])
         assert executable.is_absolute()
         assert executable.name == "towerd"

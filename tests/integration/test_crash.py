@@ -12,7 +12,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from towerd.client import OutcomeUnknown
 from towerd_testing import wait_for
 
@@ -26,8 +25,11 @@ def test_kill9_reconciles_keys_from_evidence(daemon):
         kept = client.session_register(cwd="/repo", agent="claude", name="kept")["session_id"]
         spawned = client.idem_claim("session.spawn", "spawn-with-row")
         client.session_register(
-            cwd="/repo", agent="claude", session_id=spawned["effect_ref"],
-            agent_session_id="agent-session-7", target="tmux:1",
+            cwd="/repo",
+            agent="claude",
+            session_id=spawned["effect_ref"],
+            agent_session_id="agent-session-7",
+            target="tmux:1",
         )
         client.idem_claim("session.spawn", "spawn-without-row")
         client.idem_claim("git.push", "push-no-probe")
@@ -54,7 +56,10 @@ def test_kill9_reconciles_keys_from_evidence(daemon):
         assert replay["state"] == "completed"
         assert replay["result"]["session_id"] == spawned["effect_ref"]
 
-        for operation, key in (("session.spawn", "spawn-without-row"), ("git.push", "push-no-probe")):
+        for operation, key in (
+            ("session.spawn", "spawn-without-row"),
+            ("git.push", "push-no-probe"),
+        ):
             assert client.idem_get(operation, key)["state"] == "outcome_unknown"
             with pytest.raises(OutcomeUnknown) as refused:
                 client.idem_claim(operation, key)
@@ -78,7 +83,9 @@ def test_complete_after_restart_is_accepted(daemon):
         client.idem_complete("deploy", "release-42", {"url": "https://example/42"})
         replay = client.idem_claim("deploy", "release-42", payload={"tag": "v42"})
     assert replay == {
-        "state": "completed", "effect_ref": claim["effect_ref"], "result": {"url": "https://example/42"}
+        "state": "completed",
+        "effect_ref": claim["effect_ref"],
+        "result": {"url": "https://example/42"},
     }
 
 
@@ -111,7 +118,9 @@ def test_no_acknowledged_write_is_lost_under_kill9(daemon, short_tmp: Path):
     ]
 
     def acked_lines() -> list[str]:
-        return [line for path in acked_paths if path.exists() for line in path.read_text().splitlines()]
+        return [
+            line for path in acked_paths if path.exists() for line in path.read_text().splitlines()
+        ]
 
     wait_for(lambda: len(acked_lines()) >= 400, timeout=30, what="400 acknowledged writes")
     daemon.kill9()

@@ -22,8 +22,10 @@ def test_environment_configures_daemon_and_clients(make_daemon, short_tmp):
     env = daemon.env(TOWERD_SOCKET=str(socket_path), TOWERD_STATE_DIR=str(state_dir))
     daemon.extra_args = []
     daemon.proc = subprocess.Popen(
-        [str(daemon.command()[0]), "--log-format", "json"], env=env,
-        stdout=open(daemon.log_path, "ab"), stderr=subprocess.STDOUT,
+        [str(daemon.command()[0]), "--log-format", "json"],
+        env=env,
+        stdout=open(daemon.log_path, "ab"),
+        stderr=subprocess.STDOUT,
     )
     proc = daemon.proc
     daemon.notify.wait_for("READY=1", timeout=20, alive=lambda: proc.poll() is None)
@@ -75,9 +77,13 @@ def test_each_request_is_logged_with_its_context(daemon):
         with pytest.raises(IdempotencyKeyUnknown):
             client.idem_get("op", "missing")
     lines = wait_for(
-        lambda: [l for l in log_lines(daemon) if l.get("event") == "request"
-                 and l.get("method") == "idem.get"],
-        timeout=10, what="the request log line",
+        lambda: [
+            line
+            for line in log_lines(daemon)
+            if line.get("event") == "request" and line.get("method") == "idem.get"
+        ],
+        timeout=10,
+        what="the request log line",
     )
     line = lines[-1]
     assert line["principal"] == f"uid:{os.geteuid()}:agent-9"
@@ -103,8 +109,9 @@ def test_a_fault_inside_a_handler_is_internal_logged_and_survived(daemon):
         assert "idem.get" in failure.value.message
         assert client.ping()["pong"]
     crashed = wait_for(
-        lambda: [l for l in log_lines(daemon) if l.get("event") == "request_crashed"],
-        timeout=10, what="the crash log line",
+        lambda: [line for line in log_lines(daemon) if line.get("event") == "request_crashed"],
+        timeout=10,
+        what="the crash log line",
     )
     assert crashed[-1]["code"] == "internal" and crashed[-1]["method"] == "idem.get"
     assert "exception" in crashed[-1]  # structured traceback

@@ -47,16 +47,22 @@ def test_dead_claimant_key_turns_unknown_and_live_one_stays(daemon):
     try:
         doomed.send_signal(signal.SIGKILL)
         doomed.wait(10)
-        wait_for(lambda: state_of(daemon, "held-by-doomed") == "outcome_unknown",
-                 timeout=10, what="the dead claimant's key to turn outcome_unknown")
+        wait_for(
+            lambda: state_of(daemon, "held-by-doomed") == "outcome_unknown",
+            timeout=10,
+            what="the dead claimant's key to turn outcome_unknown",
+        )
         # That sweep ran after the living claimant's connection had closed.
         assert state_of(daemon, "held-by-living") == "in_progress"
         assert daemon.proc.poll() is None
     finally:
         living.kill()
         living.wait(10)
-    wait_for(lambda: state_of(daemon, "held-by-living") == "outcome_unknown",
-             timeout=10, what="the second claimant's key after its death")
+    wait_for(
+        lambda: state_of(daemon, "held-by-living") == "outcome_unknown",
+        timeout=10,
+        what="the second claimant's key after its death",
+    )
 
 
 def test_holder_pid_of_a_shell_wrapper(daemon):
@@ -64,8 +70,16 @@ def test_holder_pid_of_a_shell_wrapper(daemon):
     as it does, across separate CLI invocations."""
     wrapper = subprocess.Popen(["sleep", "600"])
     try:
-        claimed = towerctl(daemon, "--json", "idem", "claim", "git.push", "wrapped",
-                           "--holder-pid", str(wrapper.pid))
+        claimed = towerctl(
+            daemon,
+            "--json",
+            "idem",
+            "claim",
+            "git.push",
+            "wrapped",
+            "--holder-pid",
+            str(wrapper.pid),
+        )
         assert claimed.returncode == 0, claimed.stderr
         with daemon.client() as client:
             record = client.idem_get("git.push", "wrapped")
@@ -124,13 +138,17 @@ def test_dead_claimant_with_evidence_completes_without_restart(daemon):
     notices the death and settles the key from the row, completed, with its session id."""
     proc = subprocess.Popen(
         [sys.executable, "-c", SPAWNER_DIES_AFTER_EFFECT, str(daemon.socket_path)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     session_id = proc.stdout.readline().strip()
     proc.kill()
     proc.wait(10)
-    wait_for(lambda: state_of(daemon, "spawned-then-died") == "completed", timeout=10,
-             what="the key to settle from evidence")
+    wait_for(
+        lambda: state_of(daemon, "spawned-then-died") == "completed",
+        timeout=10,
+        what="the key to settle from evidence",
+    )
     with daemon.client() as client:
         record = client.idem_get("session.spawn", "spawned-then-died")
         assert record["result"]["session_id"] == session_id

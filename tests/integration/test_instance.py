@@ -6,7 +6,6 @@ import sqlite3
 import stat
 
 import pytest
-
 from towerd.client import StaleEpoch, Unavailable
 
 EXIT_ALREADY_RUNNING = 75
@@ -90,7 +89,8 @@ def test_rows_of_another_daemon_are_refused_until_adopted(daemon):
     db = sqlite3.connect(daemon.state_dir / "towerd.db")
     with db:
         db.execute(
-            "INSERT INTO daemons (daemon_id, owner_epoch, pid, host, started_at) VALUES (?, 9, 1, 'h', 0)",
+            "INSERT INTO daemons (daemon_id, owner_epoch, pid, host, started_at) "
+            "VALUES (?, 9, 1, 'h', 0)",
             (other,),
         )
         db.execute(

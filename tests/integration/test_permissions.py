@@ -62,7 +62,8 @@ NOBODY_CLIENT = textwrap.dedent(
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10)
     sock.connect(sys.argv[1])
-    hello = b"\\x83\\xa2id\\x01\\xa6method\\xa5hello\\xa6params\\x82\\xa8protocol\\x01\\xa6client\\xa6nobody"
+    hello = (b"\\x83\\xa2id\\x01\\xa6method\\xa5hello\\xa6params\\x82"
+             b"\\xa8protocol\\x01\\xa6client\\xa6nobody")
     try:
         sock.sendall(struct.pack(">I", len(hello)) + hello)
     except OSError:
@@ -90,7 +91,11 @@ def test_peer_of_another_uid_is_refused_even_on_a_world_writable_socket(daemon, 
     daemon.socket_path.chmod(0o777)
     result = subprocess.run(
         ["/usr/bin/python3", "-I", "-c", NOBODY_CLIENT, str(daemon.socket_path)],
-        user=65534, group=65534, capture_output=True, text=True, timeout=30,
+        user=65534,
+        group=65534,
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert result.returncode == 0, result.stderr
     data = bytes.fromhex(result.stdout)

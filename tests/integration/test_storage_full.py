@@ -16,7 +16,6 @@ import sys
 import uuid
 
 import pytest
-
 from towerd.client import StorageFull
 
 pytestmark = pytest.mark.skipif(
@@ -50,9 +49,18 @@ def test_storage_full_refuses_writes_and_recovers(make_daemon, short_tmp):
         pytest.skip(f"the kernel refuses mount namespaces here: {probe.stderr.decode().strip()}")
     command = daemon.command()
     daemon.proc = subprocess.Popen(
-        ["unshare", "-m", "sh", "-c",
-         'mount -t tmpfs -o size=4m,mode=0700 tmpfs "$0" && exec "$@"', str(mountpoint), *command],
-        env=daemon.env(), stdout=open(daemon.log_path, "ab"), stderr=subprocess.STDOUT,
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            'mount -t tmpfs -o size=4m,mode=0700 tmpfs "$0" && exec "$@"',
+            str(mountpoint),
+            *command,
+        ],
+        env=daemon.env(),
+        stdout=open(daemon.log_path, "ab"),
+        stderr=subprocess.STDOUT,
     )
     proc = daemon.proc
     daemon.notify.wait_for("READY=1", timeout=20, alive=lambda: proc.poll() is None)
@@ -65,8 +73,9 @@ def test_storage_full_refuses_writes_and_recovers(make_daemon, short_tmp):
         for _ in range(200):
             attempt = str(uuid.uuid4())
             try:
-                client.session_register(cwd="/r", agent="claude", session_id=attempt,
-                                        prompt="x" * 65536)
+                client.session_register(
+                    cwd="/r", agent="claude", session_id=attempt, prompt="x" * 65536
+                )
             except StorageFull:
                 refused_id = attempt
                 break
@@ -80,10 +89,20 @@ def test_storage_full_refuses_writes_and_recovers(make_daemon, short_tmp):
         os.unlink(filler)
         # SQLite resolves /proc/<pid>/root; check from inside the daemon's mount namespace.
         check = subprocess.run(
-            ["nsenter", "--target", str(daemon.pid), "--mount", sys.executable, "-c",
-             "import sqlite3, sys; print(sqlite3.connect(sys.argv[1])"
-             ".execute('PRAGMA quick_check').fetchone()[0])", f"{mountpoint}/state/towerd.db"],
-            capture_output=True, text=True, timeout=60,
+            [
+                "nsenter",
+                "--target",
+                str(daemon.pid),
+                "--mount",
+                sys.executable,
+                "-c",
+                "import sqlite3, sys; print(sqlite3.connect(sys.argv[1])"
+                ".execute('PRAGMA quick_check').fetchone()[0])",
+                f"{mountpoint}/state/towerd.db",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert check.stdout.strip() == "ok", check.stderr
         written = client.session_register(cwd="/r", agent="claude", session_id=refused_id)

@@ -156,9 +156,7 @@ def test_status_fields_and_counts(daemon):
     assert status["started_at"] <= time.time_ns() // 1_000_000
     reconciliation = status["reconciliation"]
     assert reconciliation["owner_epoch"] == 1
-    assert {
-        k: v for k, v in reconciliation.items() if k not in ("at", "owner_epoch")
-    } == {
+    assert {k: v for k, v in reconciliation.items() if k not in ("at", "owner_epoch")} == {
         "rows_taken": 0,
         "marked_unknown": 0,
         "completed_from_evidence": 0,
@@ -196,12 +194,10 @@ def test_session_register_update_remove(daemon):
         assert row["owner_epoch"] == 1
 
         mine = new_id()
-        assert c.session_register(
-            cwd="/x", agent="codex", session_id=mine, model="m1"
-        ) == {"session_id": mine}
-        updated = c.session_update(
-            mine, name="renamed", pinned=True, last_attached_at=1234
-        )
+        assert c.session_register(cwd="/x", agent="codex", session_id=mine, model="m1") == {
+            "session_id": mine
+        }
+        updated = c.session_update(mine, name="renamed", pinned=True, last_attached_at=1234)
         assert updated["session_id"] == mine
         assert (updated["name"], updated["pinned"], updated["last_attached_at"]) == (
             "renamed",
@@ -274,9 +270,7 @@ def test_session_parents_stay_one_level(daemon):
 def test_fleet_list_stored_order_and_paging(daemon):
     """fleet.list keeps stored order; limit/cursor pages cover every row once."""
     with daemon.client() as c:
-        ids = [
-            c.session_register(cwd=f"/w{i}", agent="a")["session_id"] for i in range(7)
-        ]
+        ids = [c.session_register(cwd=f"/w{i}", agent="a")["session_id"] for i in range(7)]
         whole = c.fleet_list()
         assert [row["session_id"] for row in whole["sessions"]] == ids
         assert whole["next_cursor"] is None
@@ -325,9 +319,7 @@ def test_fleet_get_unknown_is_not_found(daemon):
 def test_fleet_write_counts_and_dedup(daemon):
     """fleet.write keeps the last entry per id and agent session; exact counts."""
     with daemon.client() as c:
-        old = c.session_register(cwd="/old", agent="a", agent_session_id="ag-0")[
-            "session_id"
-        ]
+        old = c.session_register(cwd="/old", agent="a", agent_session_id="ag-0")["session_id"]
         keep = c.session_register(cwd="/keep", agent="a")["session_id"]
         s1, s2, s3 = new_id(), new_id(), new_id()
         result = c.fleet_write(
@@ -414,9 +406,7 @@ def test_fleet_import_legacy(daemon):
         assert (row_two["parent"], row_two["last_attached_at"]) == (one, 42)
 
         # Importing the same file again imports nothing new.
-        again = c.fleet_import_legacy(
-            [{"agentSessionID": "legacy-1", "cwd": "/1", "agent": "a"}]
-        )
+        again = c.fleet_import_legacy([{"agentSessionID": "legacy-1", "cwd": "/1", "agent": "a"}])
         assert again["imported"] == 0 and again["skipped"] == 1
         assert c.status()["sessions"] == 3
         with pytest.raises(BadArgs):
@@ -446,9 +436,7 @@ def _plant_foreign_rows(state_dir, daemon_id: str, count: int) -> list[str]:
     async def plant() -> list[str]:
         async with open_store(StoreConfig(state_dir, daemon_id=daemon_id)) as store:
             return [
-                await store.write(
-                    insert_session, SessionRegisterParams(cwd=f"/f{i}", agent="a")
-                )
+                await store.write(insert_session, SessionRegisterParams(cwd=f"/f{i}", agent="a"))
                 for i in range(count)
             ]
 
@@ -634,9 +622,7 @@ def test_idem_list_filters_and_paging(daemon):
             "k0",
             "k1",
         ]
-        assert [k["key"] for k in c.idem_list(state="outcome_unknown")["keys"]] == [
-            "k2"
-        ]
+        assert [k["key"] for k in c.idem_list(state="outcome_unknown")["keys"]] == ["k2"]
         assert [k["key"] for k in c.idem_list(state="in_progress")["keys"]] == [
             "k3",
             "k4",
@@ -647,10 +633,7 @@ def test_idem_list_filters_and_paging(daemon):
             "k3",
             "k5",
         ]
-        assert [
-            k["key"]
-            for k in c.idem_list(operation="build", state="in_progress")["keys"]
-        ] == [
+        assert [k["key"] for k in c.idem_list(operation="build", state="in_progress")["keys"]] == [
             "k3",
             "k5",
         ]
@@ -702,9 +685,7 @@ def test_idem_resolve(daemon):
         with pytest.raises(IdempotencyKeyUnknown):
             c.idem_get("op", "gone")
         again = c.idem_claim("op", "gone")
-        assert (
-            again["state"] == "claimed" and again["effect_ref"] != first["effect_ref"]
-        )
+        assert again["state"] == "claimed" and again["effect_ref"] != first["effect_ref"]
 
         with pytest.raises(BadArgs) as bad:
             c.idem_resolve("op", "gone", "maybe")
@@ -722,9 +703,7 @@ def test_principals_are_isolated(daemon):
         with pytest.raises(IdempotencyKeyUnknown):
             b.idem_get("op", "shared")
         assert b.idem_list()["keys"] == []
-        claim_b = b.idem_claim(
-            "op", "shared", payload="B"
-        )  # no conflict: another scope
+        claim_b = b.idem_claim("op", "shared", payload="B")  # no conflict: another scope
         assert claim_b["state"] == "claimed"
         assert claim_b["effect_ref"] != claim_a["effect_ref"]
         b.idem_complete("op", "shared", "b-result")
@@ -733,9 +712,7 @@ def test_principals_are_isolated(daemon):
         with pytest.raises(IdempotencyKeyUnknown):
             b.idem_release("op", "only-a")
         assert [k["key"] for k in a.idem_list()["keys"]] == ["shared", "only-a"]
-        assert [(k["key"], k["state"]) for k in b.idem_list()["keys"]] == [
-            ("shared", "completed")
-        ]
+        assert [(k["key"], k["state"]) for k in b.idem_list()["keys"]] == [("shared", "completed")]
         with daemon.client() as default:
             assert default.idem_list()["keys"] == []
 
@@ -874,9 +851,7 @@ def test_iter_fleet_of_rows_larger_than_one_frame(daemon):
     """iter_fleet yields every row even when a default page would exceed the limit."""
     with daemon.client() as c:
         ids = [
-            c.session_register(cwd="/w", agent="a", result="r" * (100 * 1024))[
-                "session_id"
-            ]
+            c.session_register(cwd="/w", agent="a", result="r" * (100 * 1024))["session_id"]
             for _ in range(12)
         ]
         # 12 rows of 100 KiB exceed one frame: a page stops short, with a cursor.
@@ -966,9 +941,7 @@ def test_run_once_principal_scope(daemon):
     sock = str(daemon.socket_path)
     assert run_once("op", "p", lambda ref: "a", socket_path=sock, principal="a") == "a"
     assert run_once("op", "p", lambda ref: "b", socket_path=sock, principal="b") == "b"
-    assert (
-        run_once("op", "p", lambda ref: "again", socket_path=sock, principal="a") == "a"
-    )
+    assert run_once("op", "p", lambda ref: "again", socket_path=sock, principal="a") == "a"
 
 
 def test_run_once_unavailable_without_daemon(short_tmp):

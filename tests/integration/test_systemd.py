@@ -9,7 +9,6 @@ import socket
 import subprocess
 
 import pytest
-
 from towerd.client.systemd_units import UNITS, install_units
 from towerd_testing import Daemon, wait_for
 
@@ -85,7 +84,10 @@ def test_unit_files_verify_cleanly(short_tmp):
     env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime)}
     verify = subprocess.run(
         ["systemd-analyze", "--user", "verify", *paths],
-        capture_output=True, text=True, env=env, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert verify.returncode == 0, verify.stderr
     assert verify.stderr.strip() == ""

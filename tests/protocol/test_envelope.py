@@ -74,9 +74,7 @@ def test_wrong_method_type_keeps_the_id() -> None:
     assert "$.method" in caught.value.message
 
 
-@pytest.mark.parametrize(
-    "bad_id", [0, -1, -(2**63), 2**63, 2**64 - 1, "5", 1.0, True, None]
-)
+@pytest.mark.parametrize("bad_id", [0, -1, -(2**63), 2**63, 2**64 - 1, "5", 1.0, True, None])
 def test_invalid_ids_are_refused_with_id_zero(bad_id: object) -> None:
     """Ids must be ints in 1..2^63-1; anything
     else is refused and answered under id 0."""
@@ -88,10 +86,7 @@ def test_invalid_ids_are_refused_with_id_zero(bad_id: object) -> None:
 def test_id_bounds_are_inclusive() -> None:
     """Ids 1 and 2^63-1 are both valid."""
     assert decode_request(pack({"id": 1, "method": "ping"})).id == 1
-    assert (
-        decode_request(pack({"id": MAX_REQUEST_ID, "method": "ping"})).id
-        == MAX_REQUEST_ID
-    )
+    assert decode_request(pack({"id": MAX_REQUEST_ID, "method": "ping"})).id == MAX_REQUEST_ID
 
 
 def test_unknown_envelope_fields_are_ignored() -> None:
@@ -140,9 +135,7 @@ def test_none_result_round_trip() -> None:
 def test_every_error_code_round_trips_to_its_class(code: str) -> None:
     """Each known code comes back as the class
     with that code, message and data intact."""
-    original = error_for_code(
-        code, f"message for {code}", {"effect_ref": "e-1", "n": 3}
-    )
+    original = error_for_code(code, f"message for {code}", {"effect_ref": "e-1", "n": 3})
     assert type(original) is not Internal or code == "internal"
     request_id, result, error = decode_response(unframe(encode_error(8, original)))
     assert (request_id, result) == (8, None)

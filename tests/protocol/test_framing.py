@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import struct
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from towerd.protocol.framing import (
@@ -79,9 +78,7 @@ def test_tail_of_next_frame_stays_buffered() -> None:
     decoder = FrameDecoder()
     assert decoder.feed(wire[:-1]) == [b"one"]
     assert decoder.in_frame
-    assert (
-        decoder.buffered == 2
-    )  # "tw"; the parsed prefix is held as the pending length
+    assert decoder.buffered == 2  # "tw"; the parsed prefix is held as the pending length
     assert decoder.feed(wire[-1:]) == [b"two"]
     assert not decoder.in_frame
 
@@ -90,11 +87,9 @@ def test_tail_of_next_frame_stays_buffered() -> None:
 def chunked_stream(draw: st.DrawFn) -> tuple[list[bytes], list[bytes]]:
     payloads = draw(st.lists(st.binary(max_size=300), min_size=1, max_size=8))
     wire = b"".join(map(encode_frame, payloads))
-    cuts = sorted(
-        draw(st.sets(st.integers(min_value=1, max_value=max(1, len(wire) - 1))))
-    )
+    cuts = sorted(draw(st.sets(st.integers(min_value=1, max_value=max(1, len(wire) - 1)))))
     bounds = [0, *[c for c in cuts if c < len(wire)], len(wire)]
-    chunks = [wire[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [wire[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     return payloads, chunks
 
 

@@ -28,9 +28,7 @@ def build(info: mi.Type, salt: int = 0) -> Any:
     if isinstance(info, mi.Metadata):
         return build(info.type, salt)
     if isinstance(info, mi.StructType):
-        return info.cls(
-            **{f.name: build(f.type, salt + i) for i, f in enumerate(info.fields)}
-        )
+        return info.cls(**{f.name: build(f.type, salt + i) for i, f in enumerate(info.fields)})
     if isinstance(info, mi.UnionType):
         non_null = [t for t in info.types if not isinstance(t, mi.NoneType)]
         return build(non_null[0], salt) if non_null else None
@@ -155,9 +153,7 @@ def decode_params(method: str, value: dict[str, Any]) -> Any:
         ),
     ],
 )
-def test_validation_messages_carry_the_msgspec_path(
-    method: str, params: dict, path: str
-) -> None:
+def test_validation_messages_carry_the_msgspec_path(method: str, params: dict, path: str) -> None:
     """A bad field is refused with ValidationError whose message ends "at `<path>`"."""
     with pytest.raises(msgspec.ValidationError) as caught:
         decode_params(method, params)
@@ -170,9 +166,7 @@ def test_missing_required_field_names_it() -> None:
         decode_params("idem.get", {"operation": "op"})
 
 
-@pytest.mark.parametrize(
-    "method", ["idem.claim", "idem.complete", "idem.get", "idem.resolve"]
-)
+@pytest.mark.parametrize("method", ["idem.claim", "idem.complete", "idem.get", "idem.resolve"])
 @pytest.mark.parametrize(
     "key",
     ["k", "x" * 255, "clé 🔑 with spaces", "a-b_c.d:e/f"],
@@ -185,12 +179,8 @@ def test_idempotency_keys_of_1_to_255_printable_characters_are_accepted(
     assert decode_params(method, params).key == key
 
 
-@pytest.mark.parametrize(
-    "method", ["idem.claim", "idem.complete", "idem.get", "idem.resolve"]
-)
-@pytest.mark.parametrize(
-    "key", ["", "x" * 256, "line\nbreak", "tab\there", "nul\x00", "bell\x07"]
-)
+@pytest.mark.parametrize("method", ["idem.claim", "idem.complete", "idem.get", "idem.resolve"])
+@pytest.mark.parametrize("key", ["", "x" * 256, "line\nbreak", "tab\there", "nul\x00", "bell\x07"])
 def test_invalid_idempotency_keys_are_refused(method: str, key: str) -> None:
     """Empty, over-long, or non-printable keys raise
     ValidationError (never reach the store)."""
@@ -209,9 +199,7 @@ def test_invalid_operations_are_refused(operation: str) -> None:
 def test_register_idempotency_key_is_validated_the_same_way(key: str) -> None:
     """session.register's idempotency_key obeys the same 1..255 printable rule."""
     with pytest.raises(msgspec.ValidationError):
-        decode_params(
-            "session.register", {"cwd": "/w", "agent": "a", "idempotency_key": key}
-        )
+        decode_params("session.register", {"cwd": "/w", "agent": "a", "idempotency_key": key})
     ok = decode_params(
         "session.register", {"cwd": "/w", "agent": "a", "idempotency_key": "k" * 255}
     )
@@ -223,10 +211,7 @@ def test_hello_principal_must_be_printable() -> None:
     with pytest.raises(msgspec.ValidationError):
         decode_params("hello", {"protocol": 1, "client": "t", "principal": "a\nb"})
     assert (
-        decode_params(
-            "hello", {"protocol": 1, "client": "t", "principal": "ci"}
-        ).principal
-        == "ci"
+        decode_params("hello", {"protocol": 1, "client": "t", "principal": "ci"}).principal == "ci"
     )
 
 
@@ -237,10 +222,7 @@ def test_update_given_fields_distinguishes_absent_from_null() -> None:
         {"session_id": SAMPLE_UUID, "name": None, "pinned": True, "parent": None},
     )
     assert params.given_fields() == {"name": None, "pinned": True, "parent": None}
-    assert (
-        decode_params("session.update", {"session_id": SAMPLE_UUID}).given_fields()
-        == {}
-    )
+    assert decode_params("session.update", {"session_id": SAMPLE_UUID}).given_fields() == {}
 
 
 def test_update_refuses_null_for_non_nullable_fields() -> None:
@@ -253,9 +235,7 @@ def test_update_refuses_null_for_non_nullable_fields() -> None:
 
 def test_unknown_params_fields_are_ignored() -> None:
     """Newer clients' extra params fields do not break older daemons."""
-    params = decode_params(
-        "fleet.get", {"session_id": SAMPLE_UUID, "future_flag": True}
-    )
+    params = decode_params("fleet.get", {"session_id": SAMPLE_UUID, "future_flag": True})
     assert params == m.SessionIdParams(session_id=SAMPLE_UUID)
 
 

@@ -153,9 +153,7 @@ async def test_update_rewrites_only_given_fields_and_null_clears(
     """Absent fields are untouched; null clears
     a nullable field; the rest are rewritten."""
     async with opened(short_tmp) as store:
-        sid = await register(
-            store, name="n", prompt="p", model="m", pinned=True, cwd="/a"
-        )
+        sid = await register(store, name="n", prompt="p", model="m", pinned=True, cwd="/a")
         row = await store.write(
             fleet.update_session,
             SessionUpdateParams(session_id=sid, name=None, cwd="/b", exited=True),
@@ -172,9 +170,7 @@ async def test_update_with_no_fields_changes_nothing_but_the_stamp(
     async with opened(short_tmp) as store:
         sid = await register(store, name="n", agent_session_id="as")
         [before] = await rows(store)
-        after = await store.write(
-            fleet.update_session, SessionUpdateParams(session_id=sid)
-        )
+        after = await store.write(fleet.update_session, SessionUpdateParams(session_id=sid))
         assert (after.name, after.agent_session_id, after.cwd) == (
             before.name,
             "as",
@@ -190,9 +186,7 @@ async def test_update_parent_moves_the_rows_own_children_along(short_tmp: Path) 
         b = await register(store)
         c1 = await register(store, parent=b)
         c2 = await register(store, parent=b)
-        row = await store.write(
-            fleet.update_session, SessionUpdateParams(session_id=b, parent=a)
-        )
+        row = await store.write(fleet.update_session, SessionUpdateParams(session_id=b, parent=a))
         assert row.parent == a
         assert await parents(store) == {a: None, b: a, c1: a, c2: a}
 
@@ -205,9 +199,7 @@ async def test_update_parent_to_a_sub_session_links_to_its_top_level_row(
         a = await register(store)
         b = await register(store, parent=a)
         c = await register(store)
-        await store.write(
-            fleet.update_session, SessionUpdateParams(session_id=c, parent=b)
-        )
+        await store.write(fleet.update_session, SessionUpdateParams(session_id=c, parent=b))
         assert await parents(store) == {a: None, b: a, c: a}
 
 
@@ -219,13 +211,9 @@ async def test_update_that_would_create_a_cycle_is_refused(short_tmp: Path) -> N
         b = await register(store, parent=a)
         before = await parents(store)
         with pytest.raises(Conflict, match="cycle"):
-            await store.write(
-                fleet.update_session, SessionUpdateParams(session_id=a, parent=b)
-            )
+            await store.write(fleet.update_session, SessionUpdateParams(session_id=a, parent=b))
         with pytest.raises(BadArgs, match="own parent"):
-            await store.write(
-                fleet.update_session, SessionUpdateParams(session_id=a, parent=a)
-            )
+            await store.write(fleet.update_session, SessionUpdateParams(session_id=a, parent=a))
         assert await parents(store) == before
 
 
@@ -234,9 +222,7 @@ async def test_update_clearing_parent_makes_the_row_top_level(short_tmp: Path) -
     async with opened(short_tmp) as store:
         a = await register(store)
         b = await register(store, parent=a)
-        await store.write(
-            fleet.update_session, SessionUpdateParams(session_id=b, parent=None)
-        )
+        await store.write(fleet.update_session, SessionUpdateParams(session_id=b, parent=None))
         assert await parents(store) == {a: None, b: None}
 
 
@@ -373,9 +359,7 @@ async def test_write_fleet_dedup_keeps_the_last_written(short_tmp: Path) -> None
         )
         assert result.written == 2
         assert result.dropped == sorted([first])
-        assert [
-            (r.session_id, r.agent_session_id, r.name) for r in await rows(store)
-        ] == [
+        assert [(r.session_id, r.agent_session_id, r.name) for r in await rows(store)] == [
             (second, "X", "2"),
             (third, "Y", "3"),
         ]
@@ -411,9 +395,7 @@ async def test_write_fleet_dedup_drops_a_stored_row_and_relinks_its_children(
         assert result.dropped == [old]
         assert result.relinked == 1
         assert await parents(store) == {child: new, new: None}
-        assert [
-            r.agent_session_id for r in await rows(store) if r.session_id == new
-        ] == ["X"]
+        assert [r.agent_session_id for r in await rows(store) if r.session_id == new] == ["X"]
 
 
 async def test_write_fleet_row_that_replaced_its_parent_takes_that_parents_link(
@@ -466,9 +448,7 @@ async def test_write_fleet_listing_the_holder_in_removed_replaces_it(
             fleet.write_fleet, [entry(taker, agent_session_id="X")], [holder]
         )
         assert (result.written, result.removed) == (1, 1)
-        assert [(r.session_id, r.agent_session_id) for r in await rows(store)] == [
-            (taker, "X")
-        ]
+        assert [(r.session_id, r.agent_session_id) for r in await rows(store)] == [(taker, "X")]
 
 
 async def test_write_fleet_can_move_agent_sessions_between_given_rows(
@@ -604,9 +584,7 @@ async def test_other_daemons_rows_are_invisible_and_refuse_writes(
     async with opened(short_tmp, daemon_id=daemon_b) as store:
         assert (store.daemon_id, store.owner_epoch) == (daemon_b, 1)
         assert epoch_a == 2
-        own = await register(
-            store, agent_session_id="shared-agent"
-        )  # per-daemon uniqueness
+        own = await register(store, agent_session_id="shared-agent")  # per-daemon uniqueness
         assert [r.session_id for r in await rows(store)] == [own]
         with pytest.raises(NotFound):
             await store.read(fleet.get_session, top)
@@ -645,19 +623,18 @@ async def test_adopt_moves_the_other_daemons_rows_and_logs_it(short_tmp: Path) -
         assert (result.adopted, result.from_daemon_id) == (2, daemon_a)
         assert (result.daemon_id, result.owner_epoch) == (daemon_b, store.owner_epoch)
         assert await parents(store) == {top: None, child: top}
-        assert {(r.daemon_id, r.owner_epoch) for r in await rows(store)} == {
-            (daemon_b, 1)
-        }
+        assert {(r.daemon_id, r.owner_epoch) for r in await rows(store)} == {(daemon_b, 1)}
         # Adopted rows are now writable by B.
-        row = await store.write(
-            fleet.update_session, SessionUpdateParams(session_id=top, name="b")
-        )
+        row = await store.write(fleet.update_session, SessionUpdateParams(session_id=top, name="b"))
         assert row.name == "b"
-    log = query(
-        short_tmp, "SELECT daemon_id, principal, action, detail FROM operator_log"
-    )
+    log = query(short_tmp, "SELECT daemon_id, principal, action, detail FROM operator_log")
     assert [(d, p, a, json.loads(detail)) for d, p, a, detail in log] == [
-        (daemon_b, "ops", "fleet.adopt", {"from_daemon_id": daemon_a, "adopted": 2, "keys_adopted": 0})
+        (
+            daemon_b,
+            "ops",
+            "fleet.adopt",
+            {"from_daemon_id": daemon_a, "adopted": 2, "keys_adopted": 0},
+        )
     ]
     # And A, restarted, no longer owns anything.
     async with opened(short_tmp) as store:
@@ -720,9 +697,7 @@ async def test_deleted_daemon_record_also_supersedes_the_store(short_tmp: Path) 
     """If the daemon's record is gone the write is StaleEpoch ("gone") and the
     store must count as superseded too, so the process stops serving writes."""
     async with opened(short_tmp) as store:
-        execute(
-            short_tmp, "DELETE FROM daemons WHERE daemon_id = ?", (store.daemon_id,)
-        )
+        execute(short_tmp, "DELETE FROM daemons WHERE daemon_id = ?", (store.daemon_id,))
         with pytest.raises(StaleEpoch, match="gone"):
             await register(store)
         assert store.superseded.is_set()
@@ -740,9 +715,7 @@ async def test_write_fleet_moves_unmentioned_children_of_a_new_sub_session(
         a = await register(store)
         child = await register(store, parent=a)
         top = new_id()
-        result = await store.write(
-            fleet.write_fleet, [entry(top), entry(a, parent=top)], []
-        )
+        result = await store.write(fleet.write_fleet, [entry(top), entry(a, parent=top)], [])
         assert result.relinked == 1
         assert await parents(store) == {a: top, child: top, top: None}
 
@@ -805,8 +778,10 @@ async def test_adopt_takes_the_gone_daemons_keys_and_reconciles_them(short_tmp: 
             idempotency.claim, "p", IdemClaimParams(operation="session.spawn", key="a"), None
         )
         await theirs.write(
-            fleet.register_session, "p",
-            SessionRegisterParams(cwd="/r", agent="x", session_id=with_row.effect_ref), None,
+            fleet.register_session,
+            "p",
+            SessionRegisterParams(cwd="/r", agent="x", session_id=with_row.effect_ref),
+            None,
         )
         await theirs.write(
             idempotency.claim, "p", IdemClaimParams(operation="session.spawn", key="b"), None
@@ -817,5 +792,7 @@ async def test_adopt_takes_the_gone_daemons_keys_and_reconciles_them(short_tmp: 
         assert (result.adopted, result.keys_adopted) == (1, 2)
         assert (result.keys_marked_unknown, result.keys_completed_from_evidence) == (1, 1)
         assert (await ours.read(idempotency.get, "p", "session.spawn", "a")).state == "completed"
-        assert (await ours.read(idempotency.get, "p", "session.spawn", "b")).state == "outcome_unknown"
+        assert (
+            await ours.read(idempotency.get, "p", "session.spawn", "b")
+        ).state == "outcome_unknown"
         assert (await ours.read(idempotency.get, "p", "mine", "c")).state == "in_progress"

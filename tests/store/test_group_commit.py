@@ -68,9 +68,7 @@ async def test_two_hundred_concurrent_writes_all_commit(short_tmp: Path) -> None
         assert answers == {sid: sid for sid in ids}
         assert {r.session_id for r in await rows(store)} == set(ids)
     # Durable: a plain sqlite3 reader of the closed file sees every row.
-    assert {
-        sid for (sid,) in query(short_tmp, "SELECT session_id FROM sessions")
-    } == set(ids)
+    assert {sid for (sid,) in query(short_tmp, "SELECT session_id FROM sessions")} == set(ids)
 
 
 async def test_queued_writes_commit_as_one_batch(short_tmp: Path) -> None:
@@ -154,9 +152,7 @@ async def test_failing_write_fails_alone_while_batch_mates_commit(
             await wait_all_tasks_blocked()
             gate.open()
 
-        assert len({id(tx) for tx in seen}) == 1, (
-            "the writes did not share one transaction"
-        )
+        assert len({id(tx) for tx in seen}) == 1, "the writes did not share one transaction"
         assert isinstance(outcomes["dup"], Conflict)
         assert {k: v for k, v in outcomes.items() if k != "dup"} == {
             **{f"before{n}": sid for n, sid in enumerate(before_ids)},
@@ -226,10 +222,7 @@ async def test_plain_exception_fails_only_its_job_and_its_partial_writes_roll_ba
             gate.open()
 
         assert len({id(tx) for tx in seen}) == 1
-        assert (
-            type(outcomes["boom"]) is Boom
-            and str(outcomes["boom"]) == "bug in a handler"
-        )
+        assert type(outcomes["boom"]) is Boom and str(outcomes["boom"]) == "bug in a handler"
         assert [outcomes[f"m{n}"] for n in range(4)] == mates
         assert [r.session_id for r in await rows(store)] == mates
 
@@ -247,9 +240,7 @@ async def test_sqlite_constraint_error_in_a_job_becomes_conflict(
     async with opened(short_tmp) as store:
         with pytest.raises(Conflict, match="UNIQUE constraint"):
             await store.write(raw_duplicate)
-    assert query(short_tmp, "SELECT count(*) FROM meta WHERE key = 'test-key'") == [
-        (0,)
-    ]
+    assert query(short_tmp, "SELECT count(*) FROM meta WHERE key = 'test-key'") == [(0,)]
 
 
 async def test_write_results_come_back_to_their_own_callers(short_tmp: Path) -> None:

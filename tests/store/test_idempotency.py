@@ -48,9 +48,7 @@ async def claim(
     return await store.write(idem.claim, principal, claim_params(key, **fields), holder)
 
 
-async def complete(
-    store: Store, key: str, result: Any, principal: str = ME
-) -> IdemRecord:
+async def complete(store: Store, key: str, result: Any, principal: str = ME) -> IdemRecord:
     return await store.write(idem.complete, principal, OP, key, result)
 
 
@@ -67,9 +65,7 @@ async def key_count(store: Store) -> int:
 
 
 def _backdate(tx: Tx, key: str, age_ms: int) -> None:
-    tx.conn.execute(
-        "UPDATE idempotency SET updated_at = ? WHERE key = ?", (tx.now - age_ms, key)
-    )
+    tx.conn.execute("UPDATE idempotency SET updated_at = ? WHERE key = ?", (tx.now - age_ms, key))
 
 
 # --- claim
@@ -140,9 +136,7 @@ async def test_completed_key_replays_its_result(short_tmp: Path) -> None:
         first = await claim(store, payload={"x": 1})
         await complete(store, "k1", {"pid": 99, "ok": True})
         replay = await claim(store, payload={"x": 1}, holder=OTHER_HOLDER)
-        assert replay == IdemClaimResult(
-            "completed", first.effect_ref, {"pid": 99, "ok": True}
-        )
+        assert replay == IdemClaimResult("completed", first.effect_ref, {"pid": 99, "ok": True})
         assert (await get(store, "k1")).state == "completed"
 
 
@@ -160,9 +154,7 @@ async def test_outcome_unknown_key_refuses_with_effect_ref(short_tmp: Path) -> N
 
 
 @pytest.mark.parametrize("state", ["in_progress", "completed", "outcome_unknown"])
-async def test_different_payload_is_a_conflict_in_every_state(
-    short_tmp: Path, state: str
-) -> None:
+async def test_different_payload_is_a_conflict_in_every_state(short_tmp: Path, state: str) -> None:
     """Payload mismatch is checked first:
     IdempotencyConflict whatever the key's state."""
     async with opened(short_tmp) as store:
@@ -205,9 +197,7 @@ async def test_payload_map_key_order_does_not_matter(short_tmp: Path) -> None:
     async with opened(short_tmp) as store:
         await claim(store, payload={"a": 1, "b": {"y": [1, {"p": 1, "q": 2}], "x": 2}})
         await complete(store, "k1", "ok")
-        replay = await claim(
-            store, payload={"b": {"x": 2, "y": [1, {"q": 2, "p": 1}]}, "a": 1}
-        )
+        replay = await claim(store, payload={"b": {"x": 2, "y": [1, {"q": 2, "p": 1}]}, "a": 1})
         assert (replay.state, replay.result) == ("completed", "ok")
 
 
@@ -368,9 +358,7 @@ async def test_resolve_completed_from_outcome_unknown_is_logged(
     async with opened(short_tmp) as store:
         first = await claim(store)
         await mark_unknown(store, "k1")
-        result = await store.write(
-            idem.resolve, ME, OP, "k1", "completed", {"checked": True}
-        )
+        result = await store.write(idem.resolve, ME, OP, "k1", "completed", {"checked": True})
         assert result.outcome == "completed"
         assert result.record is not None
         assert (result.record.state, result.record.result) == (
@@ -401,15 +389,12 @@ async def test_resolve_abandoned_deletes_the_key_and_is_logged(short_tmp: Path) 
         assert (result.outcome, result.record) == ("abandoned", None)
         assert (await claim(store)).state == "claimed"
     assert [
-        json.loads(d)["outcome"]
-        for (d,) in query(short_tmp, "SELECT detail FROM operator_log")
+        json.loads(d)["outcome"] for (d,) in query(short_tmp, "SELECT detail FROM operator_log")
     ] == ["abandoned"]
 
 
 @pytest.mark.parametrize("state", ["in_progress", "completed"])
-async def test_resolve_refused_unless_outcome_unknown(
-    short_tmp: Path, state: str
-) -> None:
+async def test_resolve_refused_unless_outcome_unknown(short_tmp: Path, state: str) -> None:
     """resolve on an in_progress or completed key
     is Conflict, changes nothing, logs nothing."""
     async with opened(short_tmp) as store:
@@ -443,9 +428,7 @@ async def test_fifty_concurrent_claims_of_one_key_claim_exactly_once(
         async def attempt(n: int) -> None:
             try:
                 outcomes.append(
-                    await claim(
-                        store, holder=Holder(pid=1000 + n, start=n), payload="same"
-                    )
+                    await claim(store, holder=Holder(pid=1000 + n, start=n), payload="same")
                 )
             except IdempotencyInProgress as exc:
                 outcomes.append(exc)
@@ -505,9 +488,7 @@ async def test_mark_holders_dead_moves_only_that_holders_in_progress_keys(
         await claim(store, key="dead-done", holder=HOLDER)
         await complete(store, "dead-done", 1)
         await claim(store, key="alive", holder=OTHER_HOLDER)
-        await claim(
-            store, key="reused-pid", holder=Holder(HOLDER.pid, HOLDER.start + 5)
-        )
+        await claim(store, key="reused-pid", holder=Holder(HOLDER.pid, HOLDER.start + 5))
         await claim(store, key="no-holder", holder=None)
         assert set(await store.read(idem.live_holders)) == {
             HOLDER,
@@ -524,9 +505,7 @@ async def test_mark_holders_dead_moves_only_that_holders_in_progress_keys(
         states = {
             r.key: r.state
             for principal in ("alice", "bob")
-            for r in (
-                await store.read(idem.list_keys, principal, None, None, 10, None)
-            ).keys
+            for r in (await store.read(idem.list_keys, principal, None, None, 10, None)).keys
         }
         assert states == {
             "dead-1": "outcome_unknown",
@@ -546,9 +525,7 @@ async def test_list_keys_filters_and_pages(short_tmp: Path) -> None:
         await complete(store, "k1", None)
         await claim(store, key="other", operation="x.op")
         page1 = await store.read(idem.list_keys, ME, "in_progress", OP, 2, None)
-        page2 = await store.read(
-            idem.list_keys, ME, "in_progress", OP, 2, page1.next_cursor
-        )
+        page2 = await store.read(idem.list_keys, ME, "in_progress", OP, 2, page1.next_cursor)
         assert [r.key for r in page1.keys] == ["k0", "k2"]
         assert [r.key for r in page2.keys] == ["k3", "k4"]
         assert page2.next_cursor is None
@@ -570,9 +547,7 @@ async def test_register_retry_returns_the_same_session_and_inserts_once(
     """A retried register under one key answers the
     first session id and inserts no second row."""
     async with opened(short_tmp) as store:
-        params = register_params(
-            idempotency_key="reg-1", name="w", agent_session_id="as-1"
-        )
+        params = register_params(idempotency_key="reg-1", name="w", agent_session_id="as-1")
         first = await store.write(fleet.register_session, ME, params, HOLDER)
         second = await store.write(fleet.register_session, ME, params, OTHER_HOLDER)
         assert second.session_id == first.session_id
@@ -592,9 +567,7 @@ async def test_concurrent_register_retries_insert_once(short_tmp: Path) -> None:
         params = register_params(idempotency_key="reg-c")
 
         async def attempt() -> None:
-            answers.append(
-                (await store.write(fleet.register_session, ME, params, None)).session_id
-            )
+            answers.append((await store.write(fleet.register_session, ME, params, None)).session_id)
 
         async with anyio.create_task_group() as tasks:
             for _ in range(10):
@@ -658,9 +631,7 @@ async def test_register_key_in_progress_from_a_claim_is_refused(
         await store.write(
             idem.claim,
             ME,
-            IdemClaimParams(
-                operation=fleet.REGISTER_OPERATION, key="k", payload=digest_payload
-            ),
+            IdemClaimParams(operation=fleet.REGISTER_OPERATION, key="k", payload=digest_payload),
             HOLDER,
         )
         with pytest.raises(IdempotencyInProgress) as caught:

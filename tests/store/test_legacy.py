@@ -209,9 +209,7 @@ async def test_entries_already_in_the_fleet_are_skipped(short_tmp: Path) -> None
     skipped naming its session; it is not touched."""
     async with opened(short_tmp) as store:
         existing = await register(store, agent_session_id="OLD", name="kept")
-        result = await store.write(
-            import_legacy, [camel("OLD", name="legacy"), camel("NEW")]
-        )
+        result = await store.write(import_legacy, [camel("OLD", name="legacy"), camel("NEW")])
         assert result.imported == 1
         [skip] = result.skips
         assert (skip.index, skip.agent_session_id) == (0, "OLD")
@@ -273,9 +271,7 @@ async def test_imported_count_and_order(short_tmp: Path) -> None:
     async with opened(short_tmp) as store:
         result = await store.write(import_legacy, raw)
         assert (result.imported, result.skipped) == (25, 1)
-        assert [r.agent_session_id for r in await rows(store)] == [
-            f"s{i}" for i in range(25)
-        ]
+        assert [r.agent_session_id for r in await rows(store)] == [f"s{i}" for i in range(25)]
         again = await store.write(import_legacy, raw)
         assert (again.imported, again.skipped) == (0, 26)
         assert len(await rows(store)) == 25

@@ -65,9 +65,7 @@ async def test_each_open_is_the_next_epoch_of_the_same_daemon(short_tmp: Path) -
 async def test_fresh_store_reports_nothing_to_do(short_tmp: Path) -> None:
     """A first start reconciles nothing."""
     async with opened(short_tmp) as store:
-        assert counts(store.reconciliation) == dict.fromkeys(
-            counts(store.reconciliation), 0
-        )
+        assert counts(store.reconciliation) == dict.fromkeys(counts(store.reconciliation), 0)
 
 
 async def test_restart_takes_own_rows_to_the_new_epoch(short_tmp: Path) -> None:
@@ -87,9 +85,9 @@ async def test_restart_takes_own_rows_to_the_new_epoch(short_tmp: Path) -> None:
             (store.daemon_id,),
         )
         assert own == [(store.owner_epoch,)] == [(2,)]
-    assert query(
-        short_tmp, "SELECT owner_epoch FROM sessions WHERE daemon_id = ?", (other,)
-    ) == [(1,)]
+    assert query(short_tmp, "SELECT owner_epoch FROM sessions WHERE daemon_id = ?", (other,)) == [
+        (1,)
+    ]
 
 
 async def test_in_progress_keys_become_outcome_unknown(short_tmp: Path) -> None:
@@ -162,9 +160,7 @@ async def test_keys_without_evidence_stay_unknown(short_tmp: Path) -> None:
     async with opened(short_tmp) as store:
         await claim(store, "session.spawn", "no-row", effect_ref=new_id())
         other_row = await register(store)
-        await claim(
-            store, "tool.run", "no-probe", effect_ref=other_row
-        )  # a row, but no probe
+        await claim(store, "tool.run", "no-probe", effect_ref=other_row)  # a row, but no probe
     async with opened(short_tmp) as store:
         report = store.reconciliation
         assert (
@@ -172,9 +168,7 @@ async def test_keys_without_evidence_stay_unknown(short_tmp: Path) -> None:
             report.completed_from_evidence,
             report.still_unknown,
         ) == (2, 0, 2)
-        assert (
-            await record(store, "session.spawn", "no-row")
-        ).state == "outcome_unknown"
+        assert (await record(store, "session.spawn", "no-row")).state == "outcome_unknown"
         assert (await record(store, "tool.run", "no-probe")).state == "outcome_unknown"
 
 
@@ -197,8 +191,7 @@ async def test_report_counts_are_exact_in_a_mixed_restart(short_tmp: Path) -> No
     # Age two completed keys past the TTL while no daemon runs.
     execute(
         short_tmp,
-        "UPDATE idempotency SET updated_at = 0 "
-        "WHERE key IN ('old-done-1', 'old-done-2')",
+        "UPDATE idempotency SET updated_at = 0 WHERE key IN ('old-done-1', 'old-done-2')",
     )
     async with opened(short_tmp) as store:
         assert counts(store.reconciliation) == {
@@ -272,9 +265,7 @@ async def test_dead_holder_keys_settle_from_evidence_without_a_restart(
         with_row = new_id()
         await claim(store, "session.spawn", "ev", effect_ref=with_row)
         await claim(store, "session.spawn", "no-ev", effect_ref=new_id())
-        await claim(
-            store, "session.spawn", "alive", effect_ref=new_id(), holder=Holder(888, 1)
-        )
+        await claim(store, "session.spawn", "alive", effect_ref=new_id(), holder=Holder(888, 1))
         await register(store, session_id=with_row)
         report = await store.write(settle_dead_holders, [HOLDER])
         assert report.completed == [(ME, "session.spawn", "ev")]
@@ -288,6 +279,4 @@ async def test_dead_holder_keys_settle_from_evidence_without_a_restart(
             "no-ev": "outcome_unknown",
             "alive": "in_progress",
         }
-        assert (await record(store, "session.spawn", "ev")).result[
-            "session_id"
-        ] == with_row
+        assert (await record(store, "session.spawn", "ev")).result["session_id"] == with_row

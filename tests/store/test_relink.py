@@ -10,17 +10,13 @@ from hypothesis import strategies as st
 from towerd.daemon.store.relink import relink
 
 
-def assert_one_level_forest(
-    order: Sequence[str], result: Mapping[str, str | None]
-) -> None:
+def assert_one_level_forest(order: Sequence[str], result: Mapping[str, str | None]) -> None:
     assert list(result) == list(order)
     for session_id, parent in result.items():
         if parent is not None:
             assert parent != session_id
             assert parent in result, f"{session_id} -> {parent}, a row that is not kept"
-            assert result[parent] is None, (
-                f"{session_id} -> {parent}, which is not top-level"
-            )
+            assert result[parent] is None, f"{session_id} -> {parent}, which is not top-level"
 
 
 # --- rule 1: links to dropped rows and rows not held

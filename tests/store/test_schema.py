@@ -66,9 +66,7 @@ async def test_newer_schema_version_is_refused_naming_both_versions_and_untouche
     assert sha256(db_path(short_tmp)) == before
     assert query(short_tmp, "PRAGMA user_version") == [(schema.SCHEMA_VERSION + 1,)]
     assert query(short_tmp, "SELECT count(*) FROM daemons") == [(1,)]
-    assert query(short_tmp, "SELECT owner_epoch FROM daemons") == [
-        (1,)
-    ]  # no new epoch started
+    assert query(short_tmp, "SELECT owner_epoch FROM daemons") == [(1,)]  # no new epoch started
 
 
 async def test_sqlite_file_with_foreign_tables_is_refused(short_tmp: Path) -> None:
@@ -115,9 +113,7 @@ async def test_user_version_without_tables_or_stamp_is_refused(short_tmp: Path) 
     ],
     ids=["text", "random", "bad-header"],
 )
-async def test_non_sqlite_file_is_refused_and_untouched(
-    short_tmp: Path, content: bytes
-) -> None:
+async def test_non_sqlite_file_is_refused_and_untouched(short_tmp: Path, content: bytes) -> None:
     """A file that is not SQLite at all is refused
     with StartRefused and left as it was."""
     path = private_state_dir(short_tmp) / "towerd.db"
@@ -304,9 +300,7 @@ async def test_successful_migration_climbs_one_step(
 ) -> None:
     """A good v2 step is applied once, stamps user_version 2, and keeps the data."""
     await populated(short_tmp, rows=2)
-    good_step = schema.Migration(
-        2, "add a table", ("CREATE TABLE added_by_v2 (x INTEGER) STRICT",)
-    )
+    good_step = schema.Migration(2, "add a table", ("CREATE TABLE added_by_v2 (x INTEGER) STRICT",))
     monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, good_step))
     monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
     async with opened(short_tmp) as store:
@@ -325,9 +319,7 @@ async def test_misshapen_old_version_is_refused_before_it_is_migrated(
     await populated(short_tmp, rows=1)
     execute(short_tmp, "ALTER TABLE sessions ADD COLUMN extra TEXT")
     before = sha256(db_path(short_tmp))
-    good_step = schema.Migration(
-        2, "add a table", ("CREATE TABLE added_by_v2 (x INTEGER) STRICT",)
-    )
+    good_step = schema.Migration(2, "add a table", ("CREATE TABLE added_by_v2 (x INTEGER) STRICT",))
     monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, good_step))
     monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
     message = str(await refused(short_tmp))
