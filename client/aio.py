@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 from anyio.abc import SocketStream
+
 from towerd.client.api import TowerdAPI
 from towerd.client.idempotent import RunEffect, idempotent_steps
 from towerd.client.sync import DEFAULT_TIMEOUT, default_client_name, hello_params

@@ -18,6 +18,7 @@ import anyio
 import msgspec
 import structlog
 from anyio.abc import SocketListener
+
 from towerd.daemon import systemd
 from towerd.daemon.handlers import DaemonInfo, Handlers
 from towerd.daemon.instance import AlreadyRunning, InstanceLock

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import anyio
 import structlog
+
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import Store, idempotency
 from towerd.daemon.store.idempotency import Holder

@@ -23,6 +23,7 @@ import anyio
 import msgspec
 import structlog
 from anyio.abc import SocketListener, SocketStream
+
 from towerd.daemon.handlers import Caller, Handlers
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.processes import holder_of, peer_credentials

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
+
 from towerd.protocol.errors import BadFrame, FrameTooLarge, Internal, TowerdError, error_for_code
 from towerd.protocol.framing import DEFAULT_MAX_FRAME, encode_frame
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
+
 from towerd.protocol.fields import SESSION_FIELDS
 
 # --- shared field types ------------------------------------------------------

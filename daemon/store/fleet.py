@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
+
 from towerd.daemon.store.idempotency import (
     COMPLETED,
     Holder,

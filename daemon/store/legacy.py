@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
 from towerd.daemon.store.fleet import agent_session_index, write_fleet
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.methods import (

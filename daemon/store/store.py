@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 import anyio
+
 from towerd.daemon.private_paths import check_private, ensure_private_dir
 from towerd.daemon.store import schema
 from towerd.daemon.store.reconcile import start_daemon

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
+
 from towerd.protocol.errors import Conflict, Internal, StorageFull, TowerdError
 from towerd.protocol.framing import DEFAULT_MAX_FRAME
 

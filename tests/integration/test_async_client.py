@@ -7,6 +7,7 @@ import uuid
 
 import anyio
 import pytest
+
 from towerd.client import (
     AsyncClient,
     BadArgs,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from towerd.client import IdempotencyKeyUnknown
 from towerd_testing import Daemon
 

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 import anyio
+
 from towerd_testing import TOWERCTL, towerctl, wait_for
 
 UUID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"

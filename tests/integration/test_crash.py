@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from towerd.client import OutcomeUnknown
 from towerd_testing import wait_for
 

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 
 import pytest
+
 from towerd.client import Client, IdempotencyKeyUnknown, Internal
 from towerd_testing import TOWERCTL, wait_for
 

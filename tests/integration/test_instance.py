@@ -6,6 +6,7 @@ import sqlite3
 import stat
 
 import pytest
+
 from towerd.client import StaleEpoch, Unavailable
 
 EXIT_ALREADY_RUNNING = 75

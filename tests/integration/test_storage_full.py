@@ -16,6 +16,7 @@ import sys
 import uuid
 
 import pytest
+
 from towerd.client import StorageFull
 
 pytestmark = pytest.mark.skipif(

@@ -8,6 +8,7 @@ import uuid
 
 import anyio
 import pytest
+
 import towerd.client as client_module
 from towerd.client import (
     BadArgs,

@@ -9,6 +9,7 @@ import socket
 import subprocess
 
 import pytest
+
 from towerd.client.systemd_units import UNITS, install_units
 from towerd_testing import Daemon, wait_for
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from towerd.protocol.envelope import (
     FRAME_ERROR_ID,
     MAX_REQUEST_ID,

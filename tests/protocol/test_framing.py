@@ -7,6 +7,7 @@ import struct
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from towerd.protocol.framing import (
     DEFAULT_MAX_FRAME,
     PREFIX_SIZE,

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect as mi
 import pytest
+
 from towerd.protocol import methods as m
 from towerd.protocol.envelope import (
     decode_request,

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from store_helpers import (
     all_session_rows,
     entry,

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
+
 from store_helpers import new_id, opened, query, register, register_params, rows
 from towerd.daemon.store import Store, fleet
 from towerd.daemon.store.tx import Tx

@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+
 from store_helpers import new_id, opened, query, register_params, rows
 from towerd.daemon.store import Store, fleet
 from towerd.daemon.store import idempotency as idem

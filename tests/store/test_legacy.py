@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from store_helpers import opened, parents, register, rows
 from towerd.daemon.store.legacy import import_legacy, snake_case
 from towerd.protocol.methods import UUID_PATTERN, LegacyImportResult

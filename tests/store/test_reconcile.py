@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from store_helpers import execute, new_id, opened, query, register
 from towerd.daemon.store import Store
 from towerd.daemon.store import idempotency as idem

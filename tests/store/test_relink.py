@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from towerd.daemon.store.relink import relink
 
 

@@ -10,6 +10,7 @@ from contextlib import closing
 from pathlib import Path
 
 import pytest
+
 from store_helpers import db_path, execute, opened, query, register, state_dir
 from towerd.daemon.private_paths import StartRefused
 from towerd.daemon.store import schema
