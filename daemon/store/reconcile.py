@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.store.idempotency import (
     COMPLETED,
     Holder,
@@ -94,6 +95,7 @@ def start_daemon(
         ).rowcount
         report.completed_from_evidence, report.still_unknown = settle_from_evidence(tx)
         report.expired = expire_completed(tx, completed_ttl_ms)
+        crash_point("reconcile.before_commit")
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:

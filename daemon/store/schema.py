@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import StartRefused
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
@@ -157,6 +158,7 @@ def migrate(conn: sqlite3.Connection, from_version: int, db_path: Path, backup_d
             for statement in migration.statements:
                 conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {migration.version}")
+            crash_point("migrate.before_commit")
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import aiosqlite
 import anyio
 
+from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import check_private, ensure_private_dir
 from towerd.daemon.store import schema
 from towerd.daemon.store.reconcile import start_daemon
@@ -178,7 +179,9 @@ class Store:
                         return
                     conn.execute("ROLLBACK TO request")
                 conn.execute("RELEASE request")
+            crash_point("batch.before_commit")
             conn.execute("COMMIT")
+            crash_point("batch.after_commit")
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
