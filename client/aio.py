@@ -20,7 +20,7 @@ import anyio
 from anyio.abc import SocketStream
 
 from towerd.client.api import TowerdAPI
-from towerd.client.idempotent import RunEffect, idempotent_steps
+from towerd.client.idempotent import RunEffect, idempotent_steps, retry_delay
 from towerd.client.sync import DEFAULT_TIMEOUT, default_client_name, hello_params
 from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder, FrameTooLargeError
 from towerd.protocol.envelope import FRAME_ERROR_ID, decode_response, encode_request
@@ -210,7 +210,7 @@ async def run_once_async(
                 failures += 1
                 if failures >= attempts:
                     raise
-                await anyio.sleep(min(max_backoff, backoff * 2 ** (failures - 1)))
+                await anyio.sleep(retry_delay(failures, backoff, max_backoff))
                 to_throw = exc
             except TowerdError as exc:
                 to_throw = exc

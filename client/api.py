@@ -86,8 +86,13 @@ class TowerdAPI(Generic[R]):
         effect_ref: str | None = None,
         holder_pid: int | None = None,
         replay_only: bool = False,
+        attempt: str | None = None,
     ) -> R:
-        """``{"state": "claimed", "effect_ref"}`` or ``{"state": "completed", "result", ...}``."""
+        """``{"state": "claimed", "effect_ref"}`` or ``{"state": "completed", "result", ...}``.
+
+        ``attempt``: a token of your own for this claim; repeat it when retrying a
+        claim whose answer was lost, and the retry is answered ``claimed`` again.
+        """
         return self.call(
             "idem.claim",
             _given(
@@ -97,6 +102,7 @@ class TowerdAPI(Generic[R]):
                 effect_ref=effect_ref,
                 holder_pid=holder_pid,
                 replay_only=replay_only or None,
+                attempt=attempt,
             ),
         )
 

@@ -135,6 +135,7 @@ def cmd_idem_claim(client: Client, args: argparse.Namespace) -> Any:
         # the shell (or program) that ran us, which does the effect.
         holder_pid=args.holder_pid if args.holder_pid is not None else os.getppid(),
         replay_only=args.replay_only,
+        attempt=args.attempt,
     )
 
 
@@ -388,6 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--replay-only", action="store_true", help="only report a stored outcome; never claim"
+    )
+    p.add_argument(
+        "--attempt",
+        default=None,
+        metavar="TOKEN",
+        help="a token for this claim; repeat it to retry a claim whose answer was lost",
     )
     p = keyed(
         "complete",

@@ -11,7 +11,8 @@ What a caller sees:
 * the key completed earlier: the stored result is returned, the effect does
   not run;
 * the connection drops at any point: reconnect and resume with the same key
-  (a claim whose answer was lost is recognised as ours by ``held_by_caller``);
+  (a claim whose answer was lost is repeated with the same ``attempt`` token,
+  and the daemon answers it ``claimed`` again);
 * the effect raises: the key is marked ``outcome_unknown`` (it may have
   happened) and the exception propagates, unless it is
   :class:`EffectNotStarted`, which releases the key so a retry runs fresh;
@@ -22,13 +23,14 @@ What a caller sees:
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 from towerd.client.sync import DEFAULT_TIMEOUT, Client
-from towerd.protocol.errors import IdempotencyInProgress, TowerdError, Unavailable
+from towerd.protocol.errors import TowerdError, Unavailable
 
 
 class EffectNotStarted(Exception):
@@ -57,22 +59,17 @@ def idempotent_steps(operation: str, key: str, payload: Any = None) -> Generator
     effect's return value or throws its exception.
     """
     key_params = {"operation": operation, "key": key}
-    claim = dict(key_params) if payload is None else {**key_params, "payload": payload}
-    claim_may_be_recorded = False
+    # One token for this logical claim: a retry after a lost answer repeats it and
+    # is answered "claimed" again; any other claim of the key is refused.
+    claim = {**key_params, "attempt": secrets.token_hex(16)}
+    if payload is not None:
+        claim["payload"] = payload
     while True:
         try:
             answer = yield Call("idem.claim", claim)
             break
-        except Unavailable as exc:
-            # Unless we never reached the daemon, our claim may be recorded.
-            if (exc.data or {}).get("reason") != "connect":
-                claim_may_be_recorded = True
-        except IdempotencyInProgress as exc:
-            data = exc.data or {}
-            if claim_may_be_recorded and data.get("held_by_caller"):
-                answer = {"state": "claimed", "effect_ref": data["effect_ref"]}
-                break
-            raise
+        except Unavailable:
+            continue  # reconnected: repeat the same claim
     if answer["state"] == "completed":
         return answer.get("result")
     try:
@@ -93,6 +90,11 @@ def _until_delivered(call: Call) -> Generator[Step, Any, Any]:
             return (yield call)
         except Unavailable:
             continue
+
+
+def retry_delay(failures: int, backoff: float, max_backoff: float) -> float:
+    """Exponential backoff after ``failures`` consecutive failures, capped."""
+    return min(max_backoff, backoff * 2 ** min(failures - 1, 32))
 
 
 def run_once(
@@ -144,7 +146,7 @@ def run_once(
                 failures += 1
                 if failures >= attempts:
                     raise
-                time.sleep(min(max_backoff, backoff * 2 ** (failures - 1)))
+                time.sleep(retry_delay(failures, backoff, max_backoff))
                 to_throw = exc
             except TowerdError as exc:
                 to_throw = exc

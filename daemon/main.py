@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import sys
 import time
@@ -25,7 +26,7 @@ from towerd.daemon.instance import AlreadyRunning, InstanceLock
 from towerd.daemon.logs import configure_logging
 from towerd.daemon.maintenance import HolderSweep, expire_periodically
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
-from towerd.daemon.server import Server, bind_private_socket
+from towerd.daemon.server import Limits, Server, bind_private_socket
 from towerd.daemon.store import StoreConfig, open_store
 from towerd.daemon.store.tx import now_ms
 from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
@@ -49,6 +50,9 @@ class DaemonConfig:
     shutdown_grace: float = 10.0
     takeover: bool = False
     takeover_timeout: float = 15.0
+    max_connections: int = 1024
+    frame_timeout: float = 10.0
+    send_timeout: float = 10.0
 
 
 class StopRequest:
@@ -81,6 +85,7 @@ async def run_daemon(config: DaemonConfig) -> int:
 
 async def _run(config: DaemonConfig, stop: StopRequest) -> None:
     os.umask(0o077)
+    _allow_open_files(config.max_connections + 64)
     state_dir = ensure_private_dir(config.state_dir, "state dir")
     activated = systemd.listen_socket()
     socket_path = Path(activated.getsockname()) if activated else config.socket_path
@@ -129,7 +134,12 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
     sweep = HolderSweep(store, config.holder_check_interval)
     server = Server(
         handlers,
-        max_frame=config.max_frame,
+        limits=Limits(
+            max_frame=config.max_frame,
+            max_connections=config.max_connections,
+            frame_timeout=config.frame_timeout,
+            send_timeout=config.send_timeout,
+        ),
         on_disconnect=lambda caller: sweep.poke() if caller.claimed else None,
     )
     async with anyio.create_task_group() as tasks:
@@ -147,6 +157,14 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         log.info("stopping", reason=stop.reason)
         await server.drain(config.shutdown_grace)
         tasks.cancel_scope.cancel()
+
+
+def _allow_open_files(wanted: int) -> None:
+    """Raise the soft fd limit (often 1024) so the connection cap, not EMFILE, decides."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 async def _stop_on_signals(
@@ -231,6 +249,27 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
     parser.add_argument("--holder-check-interval", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS")
     parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="connections beyond this are refused with `unavailable` (default 1024)",
+    )
+    parser.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a started frame must be complete within this (default 10)",
+    )
+    parser.add_argument(
+        "--send-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a peer that does not read its replies this long is dropped",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -248,6 +287,9 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         shutdown_grace=args.shutdown_grace,
         takeover=args.takeover,
         takeover_timeout=args.takeover_timeout,
+        max_connections=args.max_connections,
+        frame_timeout=args.frame_timeout,
+        send_timeout=args.send_timeout,
     )
     return config, args
 

@@ -16,6 +16,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from anyio.abc import SocketListener, SocketStream
 from towerd.daemon.handlers import Caller, Handlers
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.processes import holder_of, peer_credentials
-from towerd.protocol import PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
+from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol import methods as m
 from towerd.protocol.envelope import (
     FRAME_ERROR_ID,
@@ -39,17 +40,18 @@ from towerd.protocol.envelope import (
 )
 from towerd.protocol.errors import (
     BadArgs,
+    BadFrame,
     FrameTooLarge,
     Internal,
     ProtocolMismatch,
     TowerdError,
     Unauthorized,
+    Unavailable,
     UnknownMethod,
 )
 
 log = structlog.get_logger("towerd.server")
 
-MAX_IN_FLIGHT_PER_CONNECTION = 64
 RECEIVE_SIZE = 65536
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 DEFAULT_PRINCIPAL = "default"
@@ -90,23 +92,38 @@ def bind_private_socket(path: Path) -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one peer may cost the daemon; see README "Configuration"."""
+
+    max_frame: int = DEFAULT_MAX_FRAME
+    max_connections: int = 1024
+    frame_timeout: float = 10.0  # a frame that started must be complete within this
+    send_timeout: float = 10.0  # a peer that does not read its replies for this long is dropped
+    max_in_flight: int = 64  # requests per connection; then the daemon stops reading
+
+
 class Server:
     def __init__(
         self,
         handlers: Handlers,
         *,
-        max_frame: int,
+        limits: Limits = Limits(),
         on_disconnect: Callable[[Caller], None] = lambda caller: None,
     ) -> None:
         self.handlers = handlers
+        self.limits = limits
         self._on_disconnect = on_disconnect
-        self.max_frame = max_frame
         self._readers: set[anyio.CancelScope] = set()
         self._connections = 0
         self._all_closed = anyio.Event()
         self._all_closed.set()
         self._stopping = False
         self._accepting: anyio.CancelScope | None = None
+
+    @property
+    def connections(self) -> int:
+        return self._connections
 
     async def serve(
         self, listener: SocketListener, *, task_status: Any = anyio.TASK_STATUS_IGNORED
@@ -138,22 +155,38 @@ class Server:
             self._all_closed = anyio.Event()
         try:
             async with stream:
+                if self._connections > self.limits.max_connections:
+                    await self._refuse_over_cap(stream)
+                    return
                 await self._serve_peer(stream)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass
+        except Exception:  # a bug must cost one connection, never the daemon
+            log.exception("connection_crashed", code="internal")
         finally:
             self._connections -= 1
             if self._connections == 0:
                 self._all_closed.set()
+
+    async def _refuse_over_cap(self, stream: SocketStream) -> None:
+        limit = self.limits.max_connections
+        log.warning("connection_refused", code="unavailable", connections=self._connections)
+        refusal = Unavailable(
+            f"towerd already serves {limit} connections (its limit); retry later",
+            {"reason": "too_many_connections", "limit": limit},
+        )
+        with anyio.move_on_after(1.0):
+            await stream.send(encode_error(FRAME_ERROR_ID, refusal))
 
     async def _serve_peer(self, stream: SocketStream) -> None:
         raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
         peer = peer_credentials(raw)
         if peer.uid != os.geteuid():
             log.warning("peer_refused", code="unauthorized", peer_uid=peer.uid, peer_pid=peer.pid)
-            await stream.send(
-                encode_error(FRAME_ERROR_ID, Unauthorized("towerd serves only its own user"))
-            )
+            with anyio.move_on_after(1.0):
+                await stream.send(
+                    encode_error(FRAME_ERROR_ID, Unauthorized("towerd serves only its own user"))
+                )
             return
         caller = Caller(principal="", pid=peer.pid, holder=holder_of(peer.pid))
         try:
@@ -163,52 +196,91 @@ class Server:
             self._on_disconnect(caller)
 
     async def _serve_requests(self, stream: SocketStream, caller: Caller) -> None:
+        limits = self.limits
         send_lock = anyio.Lock()
-        in_flight = anyio.Semaphore(MAX_IN_FLIGHT_PER_CONNECTION)
+        in_flight = anyio.Semaphore(limits.max_in_flight)
 
         async def send(frame: bytes) -> None:
+            """Send one frame; a peer that stops reading is dropped, not buffered for."""
             async with send_lock:
-                try:
-                    await stream.send(frame)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                    pass  # the peer left; it will retry with the same key if it cares
+                with anyio.move_on_after(limits.send_timeout) as timer:
+                    try:
+                        await stream.send(frame)
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                        connection.cancel()  # the peer left; it retries with its keys
+                        return
+                if timer.cancelled_caught:
+                    log.warning(
+                        "peer_not_reading", code="unavailable", send_timeout=limits.send_timeout
+                    )
+                    connection.cancel()
 
-        decoder = FrameDecoder(self.max_frame)
-        async with anyio.create_task_group() as requests:
-            with anyio.CancelScope() as reader:
-                self._readers.add(reader)
-                if self._stopping:
-                    reader.cancel()
+        decoder = FrameDecoder(limits.max_frame)
+        with anyio.CancelScope() as connection:
+            async with anyio.create_task_group() as requests:
+                with anyio.CancelScope() as reader:
+                    self._readers.add(reader)
+                    if self._stopping:
+                        reader.cancel()
+                    try:
+                        await self._read_requests(
+                            stream, decoder, caller, send, requests, in_flight
+                        )
+                    finally:
+                        self._readers.discard(reader)
+
+    async def _read_requests(
+        self,
+        stream: SocketStream,
+        decoder: FrameDecoder,
+        caller: Caller,
+        send: Callable[[bytes], Any],
+        requests: anyio.abc.TaskGroup,
+        in_flight: anyio.Semaphore,
+    ) -> None:
+        """Read frames until the peer leaves or must be closed; start a task per request."""
+        frame_deadline: float | None = None
+        while True:
+            try:
+                if frame_deadline is None:
+                    data = await stream.receive(RECEIVE_SIZE)
+                else:
+                    with anyio.fail_after(max(0.0, frame_deadline - anyio.current_time())):
+                        data = await stream.receive(RECEIVE_SIZE)
+            except (anyio.EndOfStream, anyio.BrokenResourceError):
+                return
+            except TimeoutError:
+                timeout = self.limits.frame_timeout
+                log.info("frame_refused", code="bad_frame", reason="incomplete", timeout=timeout)
+                await send(
+                    encode_error(
+                        FRAME_ERROR_ID,
+                        BadFrame(f"a frame was started but not completed within {timeout} s"),
+                    )
+                )
+                return
+            frames = decoder.feed(data)
+            for frame in frames:
                 try:
-                    while True:
-                        try:
-                            data = await stream.receive(RECEIVE_SIZE)
-                        except (anyio.EndOfStream, anyio.BrokenResourceError):
-                            return
-                        frames = decoder.feed(data)
-                        for frame in frames:
-                            try:
-                                request = decode_request(frame)
-                            except MalformedRequest as exc:
-                                log.info("frame_refused", code=exc.code, reason=exc.message)
-                                await send(encode_error(exc.request_id, exc))
-                                return
-                            if not caller.hello_done:
-                                if not await self._hello(request, caller, send):
-                                    return
-                                continue
-                            await in_flight.acquire()
-                            requests.start_soon(self._answer, request, caller, send, in_flight)
-                        if decoder.error is not None:
-                            log.info(
-                                "frame_refused", code="frame_too_large", length=decoder.error.length
-                            )
-                            await send(
-                                encode_error(FRAME_ERROR_ID, FrameTooLarge(str(decoder.error)))
-                            )
-                            return
-                finally:
-                    self._readers.discard(reader)
+                    request = decode_request(frame)
+                except MalformedRequest as exc:
+                    log.info("frame_refused", code=exc.code, reason=exc.message)
+                    await send(encode_error(exc.request_id, exc))
+                    return
+                if not caller.hello_done:
+                    if not await self._hello(request, caller, send):
+                        return
+                    continue
+                await in_flight.acquire()
+                requests.start_soon(self._answer, request, caller, send, in_flight)
+            if decoder.error is not None:
+                log.info("frame_refused", code="frame_too_large", length=decoder.error.length)
+                await send(encode_error(FRAME_ERROR_ID, FrameTooLarge(str(decoder.error))))
+                return
+            if not decoder.in_frame:
+                frame_deadline = None
+            elif frame_deadline is None or frames:
+                frame_deadline = anyio.current_time() + self.limits.frame_timeout
 
     async def _hello(self, request: Request, caller: Caller, send: Callable[[bytes], Any]) -> bool:
         """Handle the first request; False closes the connection."""
@@ -259,10 +331,10 @@ class Server:
                         raise UnknownMethod(f"unknown method {request.method!r}")
                     result = await handler(caller, _decode_params(request.method, request))
                     frame = encode_result(request.id, result)
-                    if len(frame) > self.max_frame + RESPONSE_SLACK:
+                    if len(frame) > self.limits.max_frame + RESPONSE_SLACK:
                         raise Internal(
                             f"the result of {request.method} is {len(frame)} bytes, over the "
-                            f"response limit of {self.max_frame + RESPONSE_SLACK}"
+                            f"response limit of {self.limits.max_frame + RESPONSE_SLACK}"
                         )
                 except TowerdError as exc:
                     code = exc.code
@@ -291,3 +363,5 @@ def _decode_params(method: str, request: Request) -> Any:
         raise BadArgs(f"invalid params for {method}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadArgs(f"undecodable params for {method}: {exc}") from None
+    except RecursionError:
+        raise BadArgs(f"params for {method} are nested too deeply to decode") from None

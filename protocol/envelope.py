@@ -68,12 +68,14 @@ def decode_request(payload: bytes) -> Request:
         raise MalformedRequest(f"malformed request: {exc}", _readable_id(payload)) from None
     except msgspec.DecodeError as exc:
         raise MalformedRequest(f"malformed request frame: {exc}") from None
+    except RecursionError:
+        raise MalformedRequest("request frame nested too deeply to decode") from None
 
 
 def _readable_id(payload: bytes) -> int:
     try:
         value = _any_decoder.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return FRAME_ERROR_ID
     if isinstance(value, dict):
         request_id = value.get("id")
@@ -112,7 +114,7 @@ def decode_response(payload: bytes) -> tuple[int, Any, TowerdError | None]:
     """Split a response frame into ``(id, result, error)``; exactly one of the last two is set."""
     try:
         value = _any_decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:
         raise Internal(f"daemon sent a malformed frame: {exc}") from None
     if not isinstance(value, dict) or type(value.get("id")) is not int:
         raise Internal(f"daemon sent a frame that is not a response: {value!r:.200}")

@@ -24,21 +24,43 @@ from towerd.protocol.fields import SESSION_FIELDS
 UUID_PATTERN = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 
 SessionId = Annotated[str, Meta(pattern=UUID_PATTERN, description="lowercase hyphenated UUID")]
-Millis = Annotated[int, Meta(ge=0, description="milliseconds since the Unix epoch, UTC")]
+INT64_MAX = 2**63 - 1  # SQLite's integers are signed 64-bit
+Millis = Annotated[
+    int, Meta(ge=0, le=INT64_MAX, description="milliseconds since the Unix epoch, UTC")
+]
 Operation = Annotated[str, Meta(min_length=1, max_length=128)]
 IdemKey = Annotated[str, Meta(min_length=1, max_length=255)]
 EffectRef = Annotated[str, Meta(min_length=1, max_length=255)]
 Pid = Annotated[int, Meta(ge=1, le=2**31 - 1)]
 PageLimit = Annotated[int, Meta(ge=1, le=5000)]
-Cursor = Annotated[int, Meta(ge=0)]
+Cursor = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 IdemState = Literal["in_progress", "completed", "outcome_unknown"]
 
 DEFAULT_PAGE_LIMIT = 500
 
 
+MAX_VALUE_DEPTH = 100  # nesting levels of a free-form value (payload, result, entry)
+
+
 def _require_printable(field: str, value: str | None) -> None:
     if value is not None and not value.isprintable():
         raise ValueError(f"`{field}` must contain printable characters only")
+
+
+def _require_shallow(field: str, value: Any) -> None:
+    """Refuse free-form values nested deeper than MAX_VALUE_DEPTH (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = [*item.keys(), *item.values()]
+        elif isinstance(item, list | tuple):
+            children = list(item)
+        else:
+            continue
+        if depth > MAX_VALUE_DEPTH:
+            raise ValueError(f"`{field}` nests deeper than {MAX_VALUE_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in children)
 
 
 class Empty(Struct):
@@ -251,6 +273,9 @@ class LegacyImportParams(Struct):
 
     entries: list[Any]
 
+    def __post_init__(self) -> None:
+        _require_shallow("entries", self.entries)
+
 
 class LegacySkip(Struct):
     index: int
@@ -301,6 +326,13 @@ class IdemClaimParams(IdemKeyParams):
     effect_ref: EffectRef | None = None
     holder_pid: Pid | None = None
     replay_only: bool = False
+    # A token the caller makes up once per logical claim and repeats when it retries
+    # a claim whose answer was lost: the retry is answered "claimed" again.
+    attempt: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_shallow("payload", self.payload)
 
 
 class IdemClaimResult(Struct, omit_defaults=True):
@@ -311,6 +343,10 @@ class IdemClaimResult(Struct, omit_defaults=True):
 
 class IdemCompleteParams(IdemKeyParams):
     result: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_shallow("result", self.result)
 
 
 class IdemReleaseResult(Struct):
@@ -345,6 +381,10 @@ class IdemListResult(Struct):
 class IdemResolveParams(IdemKeyParams):
     outcome: Literal["completed", "abandoned"]
     result: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_shallow("result", self.result)
 
 
 class IdemResolveResult(Struct):

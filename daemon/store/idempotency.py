@@ -53,7 +53,7 @@ def payload_hash(payload: Any) -> bytes:
 
 _RECORD_COLUMNS = (
     "operation, key, state, effect_ref, result, created_at, updated_at, holder_pid, "
-    "payload_hash, holder_start"
+    "payload_hash, holder_start, attempt"
 )
 
 
@@ -62,10 +62,23 @@ class _Row:
     record: IdemRecord
     payload_hash: bytes
     holder: Holder | None
+    attempt: str | None
 
 
 def _row(values: tuple[Any, ...]) -> _Row:
-    operation, key, state, effect_ref, result, created_at, updated_at, pid, digest, start = values
+    (
+        operation,
+        key,
+        state,
+        effect_ref,
+        result,
+        created_at,
+        updated_at,
+        pid,
+        digest,
+        start,
+        attempt,
+    ) = values
     return _Row(
         record=IdemRecord(
             operation=operation,
@@ -79,6 +92,7 @@ def _row(values: tuple[Any, ...]) -> _Row:
         ),
         payload_hash=digest,
         holder=None if pid is None or start is None else Holder(pid, start),
+        attempt=attempt,
     )
 
 
@@ -139,7 +153,12 @@ def _refuse_unsettled(row: _Row, caller: Holder | None) -> None:
 def claim(
     tx: Tx, principal: str, params: IdemClaimParams, holder: Holder | None
 ) -> IdemClaimResult:
-    """Claim a key, or answer what it already holds (checked in the documented order)."""
+    """Claim a key, or answer what it already holds (checked in the documented order).
+
+    A retry carrying the same ``attempt`` token as the claim that created an
+    ``in_progress`` key is that claim repeated (its answer was lost), so it is
+    answered ``claimed`` again. An ``outcome_unknown`` key is never re-claimed.
+    """
     digest = payload_hash(params.payload)
     row = _load(tx, principal, params.operation, params.key)
     if row is not None:
@@ -151,6 +170,8 @@ def claim(
             )
         if row.record.state == COMPLETED:
             return IdemClaimResult(COMPLETED, row.record.effect_ref, row.record.result)
+        if row.record.state == IN_PROGRESS and params.attempt and params.attempt == row.attempt:
+            return IdemClaimResult("claimed", row.record.effect_ref)  # its answer was lost
         _refuse_unsettled(row, holder)
     if params.replay_only:
         raise IdempotencyKeyUnknown(
@@ -160,7 +181,16 @@ def claim(
         )
     effect_ref = params.effect_ref or str(uuid.uuid4())
     insert(
-        tx, principal, params.operation, params.key, digest, IN_PROGRESS, effect_ref, None, holder
+        tx,
+        principal,
+        params.operation,
+        params.key,
+        digest,
+        IN_PROGRESS,
+        effect_ref,
+        None,
+        holder,
+        attempt=params.attempt,
     )
     return IdemClaimResult("claimed", effect_ref)
 
@@ -175,11 +205,13 @@ def insert(
     effect_ref: str,
     result: Any,
     holder: Holder | None,
+    *,
+    attempt: str | None = None,
 ) -> None:
     tx.conn.execute(
         """INSERT INTO idempotency (principal, operation, key, payload_hash, state, effect_ref,
-               result, holder_pid, holder_start, daemon_id, created_at, updated_at)
-           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+               result, holder_pid, holder_start, attempt, daemon_id, created_at, updated_at)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
         (
             principal,
             operation,
@@ -190,6 +222,7 @@ def insert(
             pack(result) if state == COMPLETED else None,
             holder.pid if holder else None,
             holder.start if holder else None,
+            attempt,
             tx.daemon_id,
             tx.now,
             tx.now,

@@ -82,6 +82,7 @@ MIGRATIONS: tuple[Migration, ...] = (
                 result BLOB,
                 holder_pid INTEGER,
                 holder_start INTEGER,
+                attempt TEXT,
                 daemon_id TEXT NOT NULL,
                 created_at INTEGER NOT NULL,
                 updated_at INTEGER NOT NULL,

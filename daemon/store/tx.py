@@ -45,13 +45,14 @@ def _key_order(key: Any) -> tuple[int, Any]:
     return (0, key) if isinstance(key, str) else (1, _packer.encode(key))
 
 
-def _canonical(value: Any) -> Any:
+def _canonical(value: Any, *, as_key: bool = False) -> Any:
     if isinstance(value, dict):
-        items = [(_canonical(key), _canonical(item)) for key, item in value.items()]
+        items = [(_canonical(key, as_key=True), _canonical(item)) for key, item in value.items()]
         items.sort(key=lambda pair: _key_order(pair[0]))
         return dict(items)
     if isinstance(value, list | tuple):
-        return [_canonical(item) for item in value]
+        items = [_canonical(item, as_key=as_key) for item in value]
+        return tuple(items) if as_key else items  # an array used as a map key stays hashable
     return value
 
 

@@ -639,3 +639,21 @@ async def test_register_key_in_progress_from_a_claim_is_refused(
             await store.write(fleet.register_session, ME, params, HOLDER)
         assert caught.value.data["held_by_caller"] is True
         assert await rows(store) == []
+
+
+async def test_claim_retried_with_its_attempt_token_is_claimed_again(short_tmp: Path) -> None:
+    """A claim whose answer was lost, repeated with the same attempt token, is answered
+    `claimed` with the same effect_ref; another token (or none) is refused in progress;
+    once the key is outcome_unknown even the same token is refused."""
+    async with opened(short_tmp) as store:
+        first = IdemClaimParams(operation="op", key="k", attempt="token-1")
+        claimed = await store.write(idem.claim, "p", first, None)
+        again = await store.write(idem.claim, "p", first, None)
+        assert (again.state, again.effect_ref) == ("claimed", claimed.effect_ref)
+        for other in ("token-2", None):
+            with pytest.raises(IdempotencyInProgress):
+                params = IdemClaimParams(operation="op", key="k", attempt=other)
+                await store.write(idem.claim, "p", params, None)
+        await store.write(idem.mark_unknown, "p", "op", "k")
+        with pytest.raises(OutcomeUnknown):
+            await store.write(idem.claim, "p", first, None)
