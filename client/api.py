@@ -136,3 +136,12 @@ class TowerdAPI(Generic[R]):
             "idem.resolve",
             {"operation": operation, "key": key, "outcome": outcome, "result": result},
         )
+
+    # --- operator tools ------------------------------------------------------------------
+
+    def backup(self, path: str, *, overwrite: bool = False) -> R:
+        """An online, checked copy of the database at ``path`` (absolute, daemon's host)."""
+        return self.call("backup", {"path": path, "overwrite": overwrite})
+
+    def doctor(self, *, full: bool = False) -> R:
+        return self.call("doctor", {"full": full})

@@ -37,6 +37,14 @@ class UsageError(Exception):
     """Bad command-line input that argparse cannot see (invalid JSON, unreadable file)."""
 
 
+class Unhealthy(Exception):
+    """doctor found something wrong: print the report, exit 1."""
+
+    def __init__(self, result: dict[str, Any]) -> None:
+        super().__init__("doctor found problems")
+        self.result = result
+
+
 # --- argument helpers ------------------------------------------------------------------
 
 
@@ -154,6 +162,24 @@ def cmd_idem_list(client: Client, args: argparse.Namespace) -> Any:
             return {"keys": keys}
 
 
+def cmd_backup(client: Client, args: argparse.Namespace) -> Any:
+    return client.backup(str(Path(args.path).absolute()), overwrite=args.overwrite)
+
+
+def cmd_doctor(_client: None, args: argparse.Namespace) -> Any:
+    from towerd.client.doctor import examine
+
+    result = examine(
+        Path(args.socket) if args.socket else None,
+        Path(args.state_dir) if args.state_dir else None,
+        args.principal,
+        args.full,
+    )
+    if not result["ok"]:
+        raise Unhealthy(result)
+    return result
+
+
 def cmd_install_systemd(_client: None, args: argparse.Namespace) -> Any:
     from towerd.client.systemd_units import install_units
 
@@ -265,6 +291,12 @@ def render_import(result: dict[str, Any]) -> str:
 
 def render_pong(_result: Any) -> str:
     return "pong"
+
+
+def render_doctor(result: dict[str, Any]) -> str:
+    from towerd.client.doctor import render as render_report
+
+    return render_report(result)
 
 
 # --- the parser --------------------------------------------------------------------------
@@ -432,6 +464,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--cursor", type=int, default=None)
 
+    p = command(commands, "backup", cmd_backup, "an online, checked copy of the database")
+    p.add_argument("path", help="where the copy goes (on the daemon's host)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    p = command(
+        commands,
+        "doctor",
+        cmd_doctor,
+        "what is wrong, and what to do about it (exit 1 if anything is)",
+        render_doctor,
+    )
+    p.add_argument("--full", action="store_true", help="integrity_check instead of quick_check")
+    p.add_argument("--state-dir", default=None, help="checked directly when no daemon answers")
+    p.set_defaults(offline=True)
     p = command(
         commands,
         "install-systemd",
@@ -465,6 +510,13 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"towerctl: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Unhealthy as exc:
+        print(
+            json.dumps(exc.result, indent=2, default=_jsonable)
+            if args.json
+            else render_doctor(exc.result)
+        )
+        return EXIT_ERROR
     except TowerdError as exc:
         if args.json:
             print(json.dumps({"error": exc.to_wire()}, default=_jsonable))

@@ -11,10 +11,11 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from towerd.daemon.processes import holder_of
-from towerd.daemon.store import Store, fleet, idempotency
+from towerd.daemon.store import Store, fleet, idempotency, upkeep
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.legacy import import_legacy
 from towerd.daemon.store.status import status_counts
@@ -83,6 +84,8 @@ class Handlers:
             "idem.get": self.idem_get,
             "idem.list": self.idem_list,
             "idem.resolve": self.idem_resolve,
+            "backup": self.backup,
+            "doctor": self.doctor,
         }
         assert self.table.keys() == m.METHODS.keys(), "handler table out of step with protocol"
 
@@ -216,3 +219,13 @@ class Handlers:
             params.outcome,
             params.result,
         )
+
+    # --- operator tools -----------------------------------------------------------------
+
+    async def backup(self, caller: Caller, params: m.BackupParams) -> m.BackupResult:
+        return await self.store.on_own_connection(
+            upkeep.backup, Path(params.path), params.overwrite
+        )
+
+    async def doctor(self, caller: Caller, params: m.DoctorParams) -> m.DoctorResult:
+        return await self.store.on_own_connection(upkeep.health, params.full)

@@ -24,7 +24,11 @@ from towerd.daemon import systemd
 from towerd.daemon.handlers import DaemonInfo, Handlers
 from towerd.daemon.instance import AlreadyRunning, InstanceLock
 from towerd.daemon.logs import configure_logging
-from towerd.daemon.maintenance import HolderSweep, expire_periodically
+from towerd.daemon.maintenance import (
+    HolderSweep,
+    checkpoint_periodically,
+    expire_periodically,
+)
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.server import Limits, Server, bind_private_socket
 from towerd.daemon.store import StoreConfig, open_store
@@ -47,6 +51,7 @@ class DaemonConfig:
     completed_ttl_seconds: float = 24 * 3600
     holder_check_interval: float = 1.0
     expiry_interval: float = 600.0
+    checkpoint_interval: float = 30.0
     shutdown_grace: float = 10.0
     takeover: bool = False
     takeover_timeout: float = 15.0
@@ -146,6 +151,7 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         await tasks.start(server.serve, listener)
         tasks.start_soon(sweep.run)
         tasks.start_soon(expire_periodically, store, config.expiry_interval)
+        tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval)
         tasks.start_soon(_stop_when_superseded, store, stop)
         interval = systemd.watchdog_interval()
         if interval:
@@ -246,6 +252,13 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         metavar="SECONDS",
         help="how often expired completed keys are swept (default 600)",
     )
+    parser.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how often a grown WAL is truncated when no reader is in the way (default 30)",
+    )
     parser.add_argument("--holder-check-interval", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS")
     parser.add_argument(
@@ -284,6 +297,7 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         completed_ttl_seconds=args.completed_ttl,
         holder_check_interval=args.holder_check_interval,
         expiry_interval=args.expiry_interval,
+        checkpoint_interval=args.checkpoint_interval,
         shutdown_grace=args.shutdown_grace,
         takeover=args.takeover,
         takeover_timeout=args.takeover_timeout,

@@ -1,4 +1,5 @@
-"""Background upkeep: dead holders' keys become unknown; old completed keys expire.
+"""Background upkeep: dead holders' keys become unknown; old completed keys expire;
+the WAL is truncated when it has grown.
 
 A key's holder is a process (pid + start time), not a connection: a claim
 whose connection closed while its holder lives stays ``in_progress``. The
@@ -13,7 +14,7 @@ import anyio
 import structlog
 
 from towerd.daemon.processes import is_alive
-from towerd.daemon.store import Store, idempotency
+from towerd.daemon.store import Store, idempotency, upkeep
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.reconcile import settle_dead_holders
 
@@ -62,3 +63,17 @@ async def expire_periodically(store: Store, interval: float) -> None:
         expired = await store.write(idempotency.expire_completed, store.config.completed_ttl_ms)
         if expired:
             log.info("keys_expired", count=expired)
+
+
+CHECKPOINT_MIN_WAL_BYTES = 4 * 1024 * 1024
+
+
+async def checkpoint_periodically(store: Store, interval: float) -> None:
+    """Keep the WAL from growing without bound: SQLite's automatic checkpoints cannot
+    shrink the file, and cannot get past a long reader at all; a truncating checkpoint
+    once the reader is gone returns the space."""
+    while True:
+        await anyio.sleep(interval)
+        sizes = await store.on_own_connection(upkeep.checkpoint, CHECKPOINT_MIN_WAL_BYTES)
+        if sizes is not None:
+            log.info("wal_checkpoint", wal_bytes_before=sizes[0], wal_bytes_after=sizes[1])

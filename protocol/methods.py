@@ -394,6 +394,47 @@ class IdemResolveResult(Struct):
     record: IdemRecord | None
 
 
+# --- operator tools --------------------------------------------------------------
+
+
+class BackupParams(Struct):
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]  # absolute, on the daemon's host
+    overwrite: bool = False
+
+
+class BackupResult(Struct):
+    path: str
+    bytes: int
+    pages: int
+    integrity: list[str]  # PRAGMA integrity_check of the copy: ["ok"]
+    duration_ms: int
+
+
+class DoctorParams(Struct):
+    full: bool = False  # integrity_check (slow, thorough) instead of quick_check
+
+
+class UnknownKey(Struct):
+    principal: str
+    operation: str
+    key: str
+    effect_ref: str
+    updated_at: Millis
+
+
+class DoctorResult(Struct):
+    check: str
+    integrity: list[str]  # ["ok"] or the problems found
+    schema_version: int
+    supported_schema_version: int
+    db_path: str
+    db_bytes: int
+    wal_bytes: int
+    keys: KeyCounts
+    unknown_keys: list[UnknownKey]  # the oldest outcome_unknown keys, all principals
+    oldest_in_progress_at: Millis | None
+
+
 # --- the method table ------------------------------------------------------------
 
 
@@ -438,6 +479,8 @@ METHODS: dict[str, MethodSpec] = {
     "idem.resolve": MethodSpec(
         IdemResolveParams, IdemResolveResult, True, "operator recovery of an unknown outcome"
     ),
+    "backup": MethodSpec(BackupParams, BackupResult, False, "online copy of the database"),
+    "doctor": MethodSpec(DoctorParams, DoctorResult, False, "health of the database"),
 }
 
 FEATURES = ["fleet", "idempotency", "pipelining", "paging"]

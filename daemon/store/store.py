@@ -109,6 +109,7 @@ class Store:
         self._wakeup = anyio.Event()
         self._closing = False
         self._superseded = False  # set on the database thread, published after the hop
+        self._upkeep_limiter = anyio.CapacityLimiter(1)
 
     # --- the API handlers use ------------------------------------------------------
 
@@ -132,6 +133,15 @@ class Store:
 
         try:
             return await self._reader.run(run)
+        except sqlite3.Error as exc:
+            raise _as_wire_error(exc) from exc
+
+    async def on_own_connection(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(db_path, *args)`` (see ``upkeep``) in a worker thread, one at a time."""
+        try:
+            return await anyio.to_thread.run_sync(
+                fn, self.db_path, *args, limiter=self._upkeep_limiter
+            )
         except sqlite3.Error as exc:
             raise _as_wire_error(exc) from exc
 

@@ -1,0 +1,206 @@
+"""``towerctl doctor``: what is wrong with this towerd, and what to do about each finding.
+
+Asks the daemon about its database when it answers (integrity, schema version,
+WAL size, keys stuck ``outcome_unknown``); checks the socket and state
+directories itself; and when no daemon answers, checks the database file
+directly, read-only.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from towerd.client.sync import Client
+from towerd.protocol.errors import TowerdError
+from towerd.protocol.paths import default_socket_path, default_state_dir
+
+WAL_WARNING_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class Finding:
+    check: str
+    status: str  # ok | warning | error
+    detail: str
+    fix: str = ""
+
+
+def examine(
+    socket_path: Path | None, state_dir: Path | None, principal: str | None, full: bool
+) -> dict[str, Any]:
+    socket_path = socket_path or default_socket_path()
+    findings: list[Finding] = []
+    report: dict[str, Any] | None = None
+    try:
+        with Client(socket_path, principal=principal, timeout=60) as client:
+            status = client.status()
+            report = client.doctor(full=full)
+        findings.append(
+            Finding(
+                "daemon",
+                "ok",
+                f"daemon {status['daemon_id']} pid {status['pid']} "
+                f"epoch {status['owner_epoch']}, protocol {status['protocol']}",
+            )
+        )
+        state_dir = state_dir or Path(status["db_path"]).parent
+    except TowerdError as exc:
+        findings.append(
+            Finding(
+                "daemon",
+                "error",
+                f"no daemon answers at {socket_path}: {exc.message}",
+                "start it (`towerd`, or `systemctl --user start towerd.socket`), or pass "
+                "the right --socket",
+            )
+        )
+    findings += _private_path(socket_path.parent, "socket dir", want_dir=True)
+    if socket_path.exists():
+        findings += _private_path(socket_path, "socket", want_dir=False, socket=True)
+    state_dir = state_dir or default_state_dir()
+    findings += _private_path(state_dir, "state dir", want_dir=True)
+    db_path = state_dir / "towerd.db"
+    if db_path.exists():
+        findings += _private_path(db_path, "database file", want_dir=False)
+    if report is not None:
+        findings += _database_findings(report)
+    elif db_path.exists():
+        findings += _offline_database_findings(db_path, full)
+    return {
+        "ok": all(finding.status == "ok" for finding in findings),
+        "findings": [asdict(finding) for finding in findings],
+        "report": report,
+    }
+
+
+def _private_path(path: Path, what: str, *, want_dir: bool, socket: bool = False) -> list[Finding]:
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return [
+            Finding(
+                what, "warning", f"{path} does not exist", "it is created when towerd first starts"
+            )
+        ]
+    problems = []
+    if stat.S_ISLNK(info.st_mode):
+        problems.append("is a symlink")
+    if info.st_uid != os.geteuid():
+        problems.append(f"belongs to uid {info.st_uid}")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        problems.append(f"has mode {mode:04o}")
+    if not problems:
+        return [Finding(what, "ok", f"{path} is private ({mode:04o})")]
+    wanted = "700" if want_dir else "600"
+    return [
+        Finding(
+            what,
+            "error",
+            f"{path} " + ", ".join(problems),
+            f"`chmod {wanted} {path}` and make sure it belongs to you"
+            + ("" if not socket else "; restarting towerd recreates the socket"),
+        )
+    ]
+
+
+def _database_findings(report: dict[str, Any]) -> list[Finding]:
+    findings = []
+    if report["integrity"] == ["ok"]:
+        findings.append(Finding("integrity", "ok", f"PRAGMA {report['check']}: ok"))
+    else:
+        findings.append(
+            Finding(
+                "integrity",
+                "error",
+                f"PRAGMA {report['check']}: {'; '.join(report['integrity'][:5])}",
+                "stop towerd, keep a copy of the damaged file, and restore the latest "
+                "backup (`towerctl backup PATH` makes them)",
+            )
+        )
+    if report["schema_version"] == report["supported_schema_version"]:
+        findings.append(Finding("schema", "ok", f"schema version {report['schema_version']}"))
+    else:
+        findings.append(
+            Finding(
+                "schema",
+                "error",
+                f"schema version {report['schema_version']}, this towerd supports "
+                f"{report['supported_schema_version']}",
+                "run the matching towerd version",
+            )
+        )
+    wal = report["wal_bytes"]
+    if wal > WAL_WARNING_BYTES:
+        findings.append(
+            Finding(
+                "wal",
+                "warning",
+                f"the WAL holds {wal // 1024} KiB",
+                "a long-running reader keeps it from being checkpointed; it shrinks at the "
+                "next checkpoint once that reader is gone",
+            )
+        )
+    else:
+        findings.append(Finding("wal", "ok", f"the WAL holds {wal // 1024} KiB"))
+    unknown = report["keys"]["outcome_unknown"]
+    if unknown:
+        sample = ", ".join(
+            f"{key['operation']}/{key['key']} ({key['principal']})"
+            for key in report["unknown_keys"][:5]
+        )
+        findings.append(
+            Finding(
+                "outcome_unknown",
+                "warning",
+                f"{unknown} keys wait for a decision: {sample}",
+                "check whether each effect happened, then `towerctl --principal NAME idem "
+                "resolve OPERATION KEY --outcome completed --result JSON` (it did) or "
+                "`--outcome abandoned` (it did not); the principal is the part after "
+                "`uid:N:`",
+            )
+        )
+    else:
+        findings.append(Finding("outcome_unknown", "ok", "no key waits for a decision"))
+    return findings
+
+
+def _offline_database_findings(db_path: Path, full: bool) -> list[Finding]:
+    check = "integrity_check" if full else "quick_check"
+    try:
+        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        try:
+            rows = [row[0] for row in conn.execute(f"PRAGMA {check}")]
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        return [Finding("integrity", "error", f"{db_path}: {exc}", "restore the latest backup")]
+    findings = [Finding("schema", "ok", f"schema version {version} (read offline)")]
+    if rows == ["ok"]:
+        findings.append(Finding("integrity", "ok", f"PRAGMA {check}: ok (read offline)"))
+    else:
+        findings.append(
+            Finding(
+                "integrity",
+                "error",
+                f"PRAGMA {check}: {'; '.join(rows[:5])}",
+                "restore the latest backup",
+            )
+        )
+    return findings
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = []
+    for finding in result["findings"]:
+        lines.append(f"{finding['status'].upper():8} {finding['check']:16} {finding['detail']}")
+        if finding["fix"] and finding["status"] != "ok":
+            lines.append(f"{'':8} {'':16} -> {finding['fix']}")
+    lines.append("all good" if result["ok"] else "something needs attention")
+    return "\n".join(lines)
