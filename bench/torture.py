@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from benchlib import Daemon
 
 OPERATION = "torture.spawn"
 CRASH_POINTS = ("batch.before_commit", "batch.after_commit", "reconcile.before_commit")
@@ -96,73 +97,6 @@ def worker_main(socket_path: str, worker: int, out_dir: str) -> None:
             os.write(acks, f"ACK {key} {result['session_id']}\n".encode())
         except (OutcomeUnknown, IdempotencyInProgress) as exc:
             os.write(acks, f"UNKNOWN {key} {exc.code}\n".encode())
-
-
-# --- the daemon under torture ------------------------------------------------------------
-
-
-class Daemon:
-    def __init__(self, workdir: Path) -> None:
-        self.socket_path = workdir / "run" / "towerd.sock"
-        self.state_dir = workdir / "state"
-        self.log = open(workdir / "daemon.log", "ab")  # noqa: SIM115 - lives as long as we do
-        self.notify_path = workdir / "notify"
-        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.notify.bind(str(self.notify_path))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, crash_at: str | None = None) -> bool:
-        """Start; True once READY, False if it died first (an armed start-up crash)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("TOWERD_", "LISTEN_"))}
-        env["NOTIFY_SOCKET"] = str(self.notify_path)
-        if crash_at:
-            env["TOWERD_CRASH_AT"] = crash_at
-        towerd = Path(sys.executable).parent / "towerd"
-        self.proc = subprocess.Popen(
-            [
-                str(towerd),
-                "--socket",
-                str(self.socket_path),
-                "--state-dir",
-                str(self.state_dir),
-                "--log-format",
-                "json",
-                "--log-level",
-                "warning",
-            ],
-            env=env,
-            stdout=self.log,
-            stderr=self.log,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            self.notify.settimeout(0.05)
-            try:
-                if b"READY=1" in self.notify.recv(4096):
-                    return True
-            except TimeoutError:
-                if self.proc.poll() is not None:
-                    return False
-        raise RuntimeError("the daemon did not become ready within 30 s")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def died_by_itself(self, timeout: float) -> bool:
-        assert self.proc is not None
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
 
 
 # --- the invariant checker -------------------------------------------------------------------

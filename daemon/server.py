@@ -100,7 +100,8 @@ class Limits:
     max_connections: int = 1024
     frame_timeout: float = 10.0  # a frame that started must be complete within this
     send_timeout: float = 10.0  # a peer that does not read its replies for this long is dropped
-    max_in_flight: int = 64  # requests per connection; then the daemon stops reading
+    max_in_flight: int = 16  # requests per connection; then the daemon stops reading
+    max_outbound_bytes: int = 8 * 1024 * 1024  # replies waiting to be sent; then drop the peer
 
 
 class Server:
@@ -200,8 +201,24 @@ class Server:
         send_lock = anyio.Lock()
         in_flight = anyio.Semaphore(limits.max_in_flight)
 
+        outbound = 0  # bytes of replies encoded but not yet sent
+
         async def send(frame: bytes) -> None:
             """Send one frame; a peer that stops reading is dropped, not buffered for."""
+            nonlocal outbound
+            if outbound + len(frame) > limits.max_outbound_bytes:
+                log.warning(
+                    "peer_not_reading", code="unavailable", outbound_bytes=outbound + len(frame)
+                )
+                connection.cancel()
+                return
+            outbound += len(frame)
+            try:
+                await _send_in_turn(frame)
+            finally:
+                outbound -= len(frame)
+
+        async def _send_in_turn(frame: bytes) -> None:
             async with send_lock:
                 with anyio.move_on_after(limits.send_timeout) as timer:
                     try:

@@ -401,6 +401,10 @@ class BackupParams(Struct):
     path: Annotated[str, Meta(min_length=1, max_length=4096)]  # absolute, on the daemon's host
     overwrite: bool = False
 
+    def __post_init__(self) -> None:
+        if "\0" in self.path or not self.path.startswith("/"):
+            raise ValueError("`path` must be an absolute path without NUL bytes")
+
 
 class BackupResult(Struct):
     path: str

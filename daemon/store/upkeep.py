@@ -61,38 +61,46 @@ def checkpoint(db_path: Path, min_wal_bytes: int) -> tuple[int, int] | None:
 def backup(db_path: Path, target: Path, overwrite: bool) -> BackupResult:
     """A consistent online copy through SQLite's backup API, checked, then renamed into
     place (a reader never sees a half-written backup)."""
+    temporary = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    try:
+        return _backup(db_path, target, temporary, overwrite)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        if exc.errno == errno.ENOSPC:
+            raise StorageFull(f"no space left for the backup at {target}") from None
+        raise BadArgs(f"cannot write the backup to {target}: {exc.strerror}") from None
+    except sqlite3.Error as exc:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        if getattr(exc, "sqlite_errorcode", 0) & 0xFF == 13:
+            raise StorageFull(f"no space left for the backup at {target}") from None
+        if isinstance(exc, sqlite3.OperationalError):
+            raise BadArgs(f"cannot write the backup to {target}: {exc}") from None
+        raise
+
+
+def _backup(db_path: Path, target: Path, temporary: Path, overwrite: bool) -> BackupResult:
     if not target.is_absolute():
         raise BadArgs(f"backup path {target} must be absolute")
     if not target.parent.is_dir():
         raise BadArgs(f"backup directory {target.parent} does not exist")
     if target.exists() and not overwrite:
         raise Conflict(f"{target} exists; pass overwrite to replace it", {"path": str(target)})
-    temporary = target.with_name(f".{target.name}.partial-{os.getpid()}")
     started = time.monotonic()
-    try:
-        with _connection(db_path, busy_timeout_ms=5000) as source:
-            copy = sqlite3.connect(temporary, isolation_level=None)
-            try:
-                source.backup(copy)  # one step: one read snapshot, writers keep going
-                integrity = [row[0] for row in copy.execute("PRAGMA integrity_check")]
-                pages = copy.execute("PRAGMA page_count").fetchone()[0]
-                copy.execute("PRAGMA journal_mode = DELETE")  # one self-contained file
-            finally:
-                copy.close()
-        os.chmod(temporary, 0o600)
-        _fsync(temporary)
-        os.replace(temporary, target)
-        _fsync(target.parent)
-    except OSError as exc:
-        temporary.unlink(missing_ok=True)
-        if exc.errno == errno.ENOSPC:
-            raise StorageFull(f"no space left for the backup at {target}") from None
-        raise BadArgs(f"cannot write the backup to {target}: {exc.strerror}") from None
-    except sqlite3.Error as exc:
-        temporary.unlink(missing_ok=True)
-        if getattr(exc, "sqlite_errorcode", 0) & 0xFF == 13:
-            raise StorageFull(f"no space left for the backup at {target}") from None
-        raise
+    with _connection(db_path, busy_timeout_ms=5000) as source:
+        copy = sqlite3.connect(temporary, isolation_level=None)
+        try:
+            source.backup(copy)  # one step: one read snapshot, writers keep going
+            integrity = [row[0] for row in copy.execute("PRAGMA integrity_check")]
+            pages = copy.execute("PRAGMA page_count").fetchone()[0]
+            copy.execute("PRAGMA journal_mode = DELETE")  # one self-contained file
+        finally:
+            copy.close()
+    os.chmod(temporary, 0o600)
+    _fsync(temporary)
+    os.replace(temporary, target)
+    _fsync(target.parent)
     return BackupResult(
         path=str(target),
         bytes=target.stat().st_size,
