@@ -205,3 +205,19 @@ def test_towerd_error_to_wire_matches_the_encoded_body() -> None:
             "data": {"effect_ref": "r"},
         }
     )
+
+
+def test_request_id_is_read_even_when_params_are_too_deep_to_decode() -> None:
+    """The id of a frame too deeply nested to decode is still answered: the envelope
+    is scanned without recursion (any depth), whatever the key order."""
+    from towerd.protocol.envelope import MalformedRequest, decode_request
+
+    deep = b"\x91" * 100_000 + b"\xc0"
+    for payload in (
+        b"\x83\xa2id\xcd\x01\x00\xa6method\xa4ping\xa6params" + deep,
+        b"\x83\xa6method\xa4ping\xa6params" + deep + b"\xa2id\xcd\x01\x00",
+    ):
+        with pytest.raises(MalformedRequest) as refused:
+            decode_request(payload)
+        assert refused.value.request_id == 256
+        assert "nested too deeply" in refused.value.message

@@ -37,7 +37,7 @@ def build(info: mi.Type, salt: int = 0) -> Any:
         if info.pattern is not None:
             assert info.pattern == m.UUID_PATTERN, info.pattern
             return SAMPLE_UUID
-        text = f"s{salt}"
+        text = f"/s{salt}"  # a leading slash also makes it a valid absolute path
         if info.max_length is not None:
             text = text[: info.max_length]
         return text.ljust(info.min_length or 0, "x")
