@@ -54,7 +54,7 @@ from msgspec import inspect as mi
 
 from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol import methods as m
-from towerd.protocol.envelope import MalformedRequest, decode_request
+from towerd.protocol.envelope import MalformedRequest, _peek_id, decode_request
 from towerd.protocol.errors import ERROR_CODES
 
 MAX_FRAME = DEFAULT_MAX_FRAME
@@ -432,17 +432,19 @@ def classify(payload: bytes) -> tuple[str, int]:
         request = decode_request(payload)
     except (MalformedRequest, RecursionError):
         # refused here, but a daemon with more stack to spare might decode a deep one:
-        # only safe if it cannot name a method with effects outside the daemon
+        # only safe if it cannot name a method with effects outside the daemon. Either
+        # way the answer carries the id if the envelope has a readable one.
+        readable_id = _peek_id(payload)
         if any(name in payload for name in _UNSAFE_NAMES):
-            return UNSAFE, 0
-        return TERMINAL, 0
+            return UNSAFE, readable_id
+        return TERMINAL, readable_id
     if _unsafe(request.method, request.params):
         return UNSAFE, request.id
     if len(payload) > DAEMON_HEADROOM // 2:  # deep enough to matter, perhaps
         try:
             _decode_with_headroom(payload)
         except (MalformedRequest, RecursionError):  # the daemon may refuse it: terminal
-            return TERMINAL, 0
+            return TERMINAL, request.id
     return REQUEST, request.id
 
 
@@ -1593,6 +1595,15 @@ class _Session:
                         continue
                     self.bad(f"answer for unknown id {answer.id}", self.tail(), "batch")
                     return False
+                if outcome == "bad_frame" and closing:
+                    # The terminal input's refusal carries its readable id, which a
+                    # mutated copy of a request shares: the request's own answer is
+                    # still to come.
+                    assert terminal is not None
+                    outstanding[answer.id] = request
+                    self.check_internal(answer, terminal.data, terminal.kind)
+                    terminal_outcome = _merge(terminal_outcome, outcome)
+                    continue
                 self.stats.add(request.kind, outcome)
                 self.check_internal(answer, request.data, request.kind)
                 if outcome in ("bad_frame", "frame_too_large"):
