@@ -445,7 +445,15 @@ def register_session(
     digest = payload_hash(request)
     stored = replay_or_refuse(tx, principal, REGISTER_OPERATION, key, digest, holder)
     if stored is not None:
-        return SessionRegisterResult(session_id=stored["session_id"])
+        result = stored.result
+        if not isinstance(result, dict) or not isinstance(result.get("session_id"), str):
+            # Completed through idem.complete with something that is not a registration.
+            raise Conflict(
+                f"key {key!r} of {REGISTER_OPERATION} holds a result that is not a "
+                f"registration ({result!r:.100}); use another key",
+                {"operation": REGISTER_OPERATION, "key": key},
+            )
+        return SessionRegisterResult(session_id=result["session_id"])
     session_id = insert_session(tx, params)
     insert_key(
         tx,

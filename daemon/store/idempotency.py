@@ -232,8 +232,9 @@ def insert(
 
 def replay_or_refuse(
     tx: Tx, principal: str, operation: str, key: str, digest: bytes, holder: Holder | None
-) -> Any | None:
-    """For methods that claim and complete in one transaction: the stored result, or None."""
+) -> IdemRecord | None:
+    """For methods that claim and complete in one transaction: the completed record to
+    replay, or None when the key is new; refuses a key in any other state."""
     row = _load(tx, principal, operation, key)
     if row is None:
         return None
@@ -244,7 +245,7 @@ def replay_or_refuse(
             {"operation": operation, "key": key, "state": row.record.state},
         )
     if row.record.state == COMPLETED:
-        return row.record.result
+        return row.record
     _refuse_unsettled(row, holder)
     return None  # unreachable: _refuse_unsettled always raises
 

@@ -657,3 +657,22 @@ async def test_claim_retried_with_its_attempt_token_is_claimed_again(short_tmp: 
         await store.write(idem.mark_unknown, "p", "op", "k")
         with pytest.raises(OutcomeUnknown):
             await store.write(idem.claim, "p", first, None)
+
+
+@pytest.mark.parametrize("odd_result", [None, {"ok": 1}, {"session_id": 5}])
+async def test_register_key_completed_by_hand_with_another_result_is_conflict(
+    short_tmp: Path, odd_result: Any
+) -> None:
+    """A session.register key claimed and completed through idem.claim/complete with a
+    result that is not a registration: a later session.register with it is Conflict,
+    never a second insert or an internal error."""
+    params = register_params(idempotency_key="shared")
+    request = msgspec.structs.asdict(params)
+    del request["idempotency_key"]
+    async with opened(short_tmp) as store:
+        claim = IdemClaimParams(operation="session.register", key="shared", payload=request)
+        await store.write(idem.claim, "p", claim, None)
+        await store.write(idem.complete, "p", "session.register", "shared", odd_result)
+        with pytest.raises(Conflict, match="not a registration"):
+            await store.write(fleet.register_session, "p", params, None)
+        assert await rows(store) == []
