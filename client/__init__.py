@@ -10,9 +10,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from towerd.client.idempotent import EffectNotStarted, run_once
 from towerd.client.sync import Client
 from towerd.protocol.errors import (
     BadArgs,
@@ -34,8 +31,20 @@ from towerd.protocol.errors import (
     UnknownMethod,
 )
 
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
+    from typing import Any
+
     from towerd.client.aio import AsyncClient, run_once_async
+    from towerd.client.idempotent import EffectNotStarted, run_once
+
+# Imported on first use: a hook that only needs Client pays for nothing else.
+_LAZY = {
+    "AsyncClient": "towerd.client.aio",
+    "run_once_async": "towerd.client.aio",
+    "EffectNotStarted": "towerd.client.idempotent",
+    "run_once": "towerd.client.idempotent",
+}
 
 __all__ = [
     "AsyncClient",
@@ -64,8 +73,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("AsyncClient", "run_once_async"):
-        from towerd.client import aio
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'towerd.client' has no attribute {name!r}")
+    import importlib
 
-        return getattr(aio, name)
-    raise AttributeError(f"module 'towerd.client' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

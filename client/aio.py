@@ -35,7 +35,7 @@ class _Pending:
     error: TowerdError | None = None
 
 
-class AsyncClient(TowerdAPI[Any]):
+class AsyncClient(TowerdAPI):
     def __init__(self, stream: SocketStream, socket_path: Path, timeout: float | None) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
@@ -57,7 +57,7 @@ class AsyncClient(TowerdAPI[Any]):
         client_name: str | None = None,
         principal: str | None = None,
     ) -> AsyncIterator[AsyncClient]:
-        path = Path(socket_path) if socket_path else default_socket_path()
+        path = Path(socket_path or default_socket_path())
         try:
             stream = await anyio.connect_unix(path)
         except OSError as exc:

@@ -8,10 +8,10 @@ documented in docs/protocol.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Generic, TypeVar
-
-R = TypeVar("R")
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
+if TYPE_CHECKING:  # annotations only: hooks import this module
+    from collections.abc import Iterable, Mapping
+    from typing import Any
 
 
 def _given(**params: Any) -> dict[str, Any]:
@@ -19,19 +19,21 @@ def _given(**params: Any) -> dict[str, Any]:
     return {name: value for name, value in params.items() if value is not None}
 
 
-class TowerdAPI(Generic[R]):
-    def call(self, method: str, params: Mapping[str, Any] | None = None) -> R:
+class TowerdAPI:
+    """Calls return the result (blocking client) or an awaitable of it (async client)."""
+
+    def call(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
         raise NotImplementedError
 
     # --- daemon ---------------------------------------------------------------------------
 
-    def ping(self) -> R:
+    def ping(self) -> Any:
         return self.call("ping")
 
-    def status(self) -> R:
+    def status(self) -> Any:
         return self.call("status")
 
-    def shutdown(self) -> R:
+    def shutdown(self) -> Any:
         return self.call("shutdown")
 
     # --- fleet ----------------------------------------------------------------------------
@@ -44,7 +46,7 @@ class TowerdAPI(Generic[R]):
         session_id: str | None = None,
         idempotency_key: str | None = None,
         **fields: Any,
-    ) -> R:
+    ) -> Any:
         """Insert a fleet row -> ``{"session_id"}``; with a key, a retry returns the same id."""
         return self.call(
             "session.register",
@@ -52,27 +54,29 @@ class TowerdAPI(Generic[R]):
             | fields,
         )
 
-    def session_update(self, session_id: str, **fields: Any) -> R:
+    def session_update(self, session_id: str, **fields: Any) -> Any:
         """Rewrite the given fields (``None`` clears a field) -> the row."""
         return self.call("session.update", {"session_id": session_id, **fields})
 
-    def session_remove(self, session_id: str) -> R:
+    def session_remove(self, session_id: str) -> Any:
         return self.call("session.remove", {"session_id": session_id})
 
-    def fleet_list(self, *, limit: int | None = None, cursor: int | None = None) -> R:
+    def fleet_list(self, *, limit: int | None = None, cursor: int | None = None) -> Any:
         """One page: ``{"sessions": [...], "next_cursor": int | None}``."""
         return self.call("fleet.list", _given(limit=limit, cursor=cursor))
 
-    def fleet_get(self, session_id: str) -> R:
+    def fleet_get(self, session_id: str) -> Any:
         return self.call("fleet.get", {"session_id": session_id})
 
-    def fleet_write(self, sessions: Iterable[Mapping[str, Any]], removed: Iterable[str] = ()) -> R:
+    def fleet_write(
+        self, sessions: Iterable[Mapping[str, Any]], removed: Iterable[str] = ()
+    ) -> Any:
         return self.call("fleet.write", {"sessions": list(sessions), "removed": list(removed)})
 
-    def fleet_import_legacy(self, entries: Iterable[Any]) -> R:
+    def fleet_import_legacy(self, entries: Iterable[Any]) -> Any:
         return self.call("fleet.import_legacy", {"entries": list(entries)})
 
-    def fleet_adopt(self, daemon_id: str) -> R:
+    def fleet_adopt(self, daemon_id: str) -> Any:
         return self.call("fleet.adopt", {"daemon_id": daemon_id})
 
     # --- idempotency ------------------------------------------------------------------------
@@ -87,7 +91,7 @@ class TowerdAPI(Generic[R]):
         holder_pid: int | None = None,
         replay_only: bool = False,
         attempt: str | None = None,
-    ) -> R:
+    ) -> Any:
         """``{"state": "claimed", "effect_ref"}`` or ``{"state": "completed", "result", ...}``.
 
         ``attempt``: a token of your own for this claim; repeat it when retrying a
@@ -106,16 +110,16 @@ class TowerdAPI(Generic[R]):
             ),
         )
 
-    def idem_complete(self, operation: str, key: str, result: Any = None) -> R:
+    def idem_complete(self, operation: str, key: str, result: Any = None) -> Any:
         return self.call("idem.complete", {"operation": operation, "key": key, "result": result})
 
-    def idem_release(self, operation: str, key: str) -> R:
+    def idem_release(self, operation: str, key: str) -> Any:
         return self.call("idem.release", {"operation": operation, "key": key})
 
-    def idem_mark_unknown(self, operation: str, key: str) -> R:
+    def idem_mark_unknown(self, operation: str, key: str) -> Any:
         return self.call("idem.mark_unknown", {"operation": operation, "key": key})
 
-    def idem_get(self, operation: str, key: str) -> R:
+    def idem_get(self, operation: str, key: str) -> Any:
         return self.call("idem.get", {"operation": operation, "key": key})
 
     def idem_list(
@@ -125,12 +129,12 @@ class TowerdAPI(Generic[R]):
         operation: str | None = None,
         limit: int | None = None,
         cursor: int | None = None,
-    ) -> R:
+    ) -> Any:
         return self.call(
             "idem.list", _given(state=state, operation=operation, limit=limit, cursor=cursor)
         )
 
-    def idem_resolve(self, operation: str, key: str, outcome: str, result: Any = None) -> R:
+    def idem_resolve(self, operation: str, key: str, outcome: str, result: Any = None) -> Any:
         """Operator recovery of an ``outcome_unknown`` key: ``completed`` or ``abandoned``."""
         return self.call(
             "idem.resolve",
@@ -139,9 +143,9 @@ class TowerdAPI(Generic[R]):
 
     # --- operator tools ------------------------------------------------------------------
 
-    def backup(self, path: str, *, overwrite: bool = False) -> R:
+    def backup(self, path: str, *, overwrite: bool = False) -> Any:
         """An online, checked copy of the database at ``path`` (absolute, daemon's host)."""
         return self.call("backup", {"path": path, "overwrite": overwrite})
 
-    def doctor(self, *, full: bool = False) -> R:
+    def doctor(self, *, full: bool = False) -> Any:
         return self.call("doctor", {"full": full})

@@ -15,14 +15,9 @@ client (no anyio, structlog or aiosqlite).
 from __future__ import annotations
 
 import argparse
-import base64
-import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
 from towerd.client.sync import Client
 from towerd.protocol.errors import TowerdError, Unavailable
@@ -30,7 +25,19 @@ from towerd.protocol.fields import IDEM_STATES, SESSION_FIELDS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
-Command = Callable[[Client, argparse.Namespace], Any]
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any
+
+    Command = Callable[[Client, argparse.Namespace], Any]
+
+
+def _json() -> Any:
+    """json on demand: it pulls in re, which a plain `towerctl ping` does not need."""
+    import json
+
+    return json
 
 
 class UsageError(Exception):
@@ -52,7 +59,7 @@ def _json_arg(text: str | None, what: str) -> Any:
     if text is None:
         return None
     try:
-        return json.loads(text)
+        return _json().loads(text)
     except ValueError as exc:
         raise UsageError(f"{what} is not valid JSON: {exc}") from None
 
@@ -123,7 +130,8 @@ def cmd_fleet_list(client: Client, args: argparse.Namespace) -> Any:
 
 def cmd_fleet_import_legacy(client: Client, args: argparse.Namespace) -> Any:
     try:
-        entries = json.loads(Path(args.path).read_text())
+        with open(args.path, encoding="utf-8") as legacy:
+            entries = _json().loads(legacy.read())
     except OSError as exc:
         raise UsageError(f"cannot read {args.path}: {exc.strerror}") from None
     except ValueError as exc:
@@ -163,10 +171,12 @@ def cmd_idem_list(client: Client, args: argparse.Namespace) -> Any:
 
 
 def cmd_backup(client: Client, args: argparse.Namespace) -> Any:
-    return client.backup(str(Path(args.path).absolute()), overwrite=args.overwrite)
+    return client.backup(os.path.abspath(args.path), overwrite=args.overwrite)
 
 
 def cmd_doctor(_client: None, args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
     from towerd.client.doctor import examine
 
     result = examine(
@@ -181,6 +191,8 @@ def cmd_doctor(_client: None, args: argparse.Namespace) -> Any:
 
 
 def cmd_install_systemd(_client: None, args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
     from towerd.client.systemd_units import install_units
 
     return install_units(Path(args.dir) if args.dir else None, enable=args.enable)
@@ -191,6 +203,8 @@ def cmd_install_systemd(_client: None, args: argparse.Namespace) -> Any:
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, bytes | bytearray):
+        import base64
+
         return base64.b64encode(value).decode()
     raise TypeError(f"cannot show {type(value).__name__} as JSON")
 
@@ -207,7 +221,7 @@ def _cell(value: Any) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, dict | list):
-        return json.dumps(value, default=_jsonable, sort_keys=True)
+        return _json().dumps(value, default=_jsonable, sort_keys=True)
     return str(value)
 
 
@@ -302,8 +316,67 @@ def render_doctor(result: dict[str, Any]) -> str:
 # --- the parser --------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, minus its `import shutil` (bz2, lzma, ...: ~2 ms per hook):
+    argparse builds a formatter for every add_argument, and the default one imports
+    shutil to measure the terminal."""
+
+    def __init__(self, prog: str) -> None:
+        try:
+            columns = os.get_terminal_size(sys.stderr.fileno()).columns
+        except (OSError, ValueError):
+            columns = int(os.environ.get("COLUMNS", "80") or 80)
+        super().__init__(prog, width=max(columns - 2, 40))
+
+
+# Every command path; main() builds only the parser of the one on the command line
+# (building all ~40 costs ~4 ms of a hook's budget). A test keeps this in step.
+COMMAND_PATHS = frozenset(
+    {
+        ("ping",), ("status",), ("shutdown",), ("backup",), ("doctor",), ("install-systemd",),
+        ("fleet", "list"), ("fleet", "get"), ("fleet", "import-legacy"), ("fleet", "adopt"),
+        ("session", "register"), ("session", "update"), ("session", "remove"),
+        ("idem", "claim"), ("idem", "complete"), ("idem", "release"), ("idem", "mark-unknown"),
+        ("idem", "get"), ("idem", "resolve"), ("idem", "list"),
+    }
+)  # fmt: skip
+_OPTIONS_WITH_VALUES = ("--socket", "--principal", "--timeout")
+
+
+def command_path(argv: Sequence[str]) -> tuple[str, ...] | None:
+    """The command the arguments name, if plain enough to tell without argparse."""
+    words: list[str] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if arg in _OPTIONS_WITH_VALUES:
+            index += 2
+            continue
+        if arg == "--json" or arg.startswith(tuple(f"{o}=" for o in _OPTIONS_WITH_VALUES)):
+            index += 1
+            continue
+        if arg.startswith("-"):
+            return None  # --help, or something argparse should explain
+        words.append(arg)
+        if tuple(words) in COMMAND_PATHS:
+            return tuple(words)
+        if len(words) == 2:
+            return None
+        index += 1
+    return None
+
+
+class _Skipped:
+    """Stands in for the parser of a command that is not on the command line."""
+
+    def __getattr__(self, _name: str) -> Any:
+        return lambda *args, **kwargs: self
+
+
+def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser; with ``only``, just the parsers on that command's path."""
     parser = argparse.ArgumentParser(
+        formatter_class=_Formatter,
         prog="towerctl",
         description="Talk to the towerd daemon.",
         epilog="exit status: 0 ok, 1 the daemon answered an error, 2 bad usage, "
@@ -322,12 +395,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    paths = {id(commands): ()}
 
     def command(
         sub: Any, name: str, run: Command | None, help: str, show: Callable[[Any], str] = render
-    ) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help)
+    ) -> Any:
+        if isinstance(sub, _Skipped):
+            return sub
+        path = (*paths[id(sub)], name)
+        if only is not None and only[: len(path)] != path:
+            return _Skipped()
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_Formatter)
         p.set_defaults(run=run, render=show)
+        if run is None:  # a group: its subcommands come next
+            group = p.add_subparsers(dest=f"{name}_command", required=True, metavar="SUBCOMMAND")
+            paths[id(group)] = path
+            return group
         return p
 
     command(commands, "ping", lambda c, a: c.ping(), "check that the daemon answers", render_pong)
@@ -336,9 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     command(commands, "shutdown", lambda c, a: c.shutdown(), "stop the daemon gracefully")
 
-    fleet = command(commands, "fleet", None, "fleet rows").add_subparsers(
-        dest="fleet_command", required=True, metavar="SUBCOMMAND"
-    )
+    fleet = command(commands, "fleet", None, "fleet rows")
     p = command(fleet, "list", cmd_fleet_list, "this daemon's rows in stored order", render_fleet)
     p.add_argument("--limit", type=int, default=None, help="one page of at most N rows")
     p.add_argument("--cursor", type=int, default=None, help="continue after this cursor")
@@ -360,9 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("daemon_id")
 
-    session = command(commands, "session", None, "one fleet row").add_subparsers(
-        dest="session_command", required=True, metavar="SUBCOMMAND"
-    )
+    session = command(commands, "session", None, "one fleet row")
     p = command(session, "register", cmd_session_register, "insert a row; prints its session id")
     p.add_argument("--cwd", required=True)
     p.add_argument("--agent", required=True)
@@ -389,11 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(session, "remove", lambda c, a: c.session_remove(a.session_id), "delete a row")
     p.add_argument("session_id")
 
-    idem = command(commands, "idem", None, "idempotency keys").add_subparsers(
-        dest="idem_command", required=True, metavar="SUBCOMMAND"
-    )
+    idem = command(commands, "idem", None, "idempotency keys")
 
-    def keyed(name: str, run: Command, help: str) -> argparse.ArgumentParser:
+    def keyed(name: str, run: Command, help: str) -> Any:
         p = command(idem, name, run, help)
         p.add_argument("operation")
         p.add_argument("key")
@@ -494,7 +571,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(command_path(argv)).parse_args(argv)
     sys.exit(run(args))
 
 
@@ -512,19 +590,19 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except Unhealthy as exc:
         print(
-            json.dumps(exc.result, indent=2, default=_jsonable)
+            _json().dumps(exc.result, indent=2, default=_jsonable)
             if args.json
             else render_doctor(exc.result)
         )
         return EXIT_ERROR
     except TowerdError as exc:
         if args.json:
-            print(json.dumps({"error": exc.to_wire()}, default=_jsonable))
+            print(_json().dumps({"error": exc.to_wire()}, default=_jsonable))
         else:
             print(f"towerctl: {exc.code}: {exc.message}", file=sys.stderr)
         return EXIT_UNAVAILABLE if isinstance(exc, Unavailable) else EXIT_ERROR
     if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True, default=_jsonable))
+        print(_json().dumps(result, indent=2, sort_keys=True, default=_jsonable))
     else:
         print(args.render(result))
     return EXIT_OK

@@ -33,7 +33,7 @@ class Finding:
 def examine(
     socket_path: Path | None, state_dir: Path | None, principal: str | None, full: bool
 ) -> dict[str, Any]:
-    socket_path = socket_path or default_socket_path()
+    socket_path = socket_path or Path(default_socket_path())
     findings: list[Finding] = []
     report: dict[str, Any] | None = None
     try:
@@ -62,7 +62,7 @@ def examine(
     findings += _private_path(socket_path.parent, "socket dir", want_dir=True)
     if socket_path.exists():
         findings += _private_path(socket_path, "socket", want_dir=False, socket=True)
-    state_dir = state_dir or default_state_dir()
+    state_dir = state_dir or Path(default_state_dir())
     findings += _private_path(state_dir, "state dir", want_dir=True)
     db_path = state_dir / "towerd.db"
     if db_path.exists():

@@ -1,8 +1,10 @@
 """The blocking client, for hooks and scripts that make a call or two and exit.
 
-It imports the standard library, ``towerd.protocol`` and msgspec's msgpack
-codec only: no anyio, structlog or aiosqlite, which would each add 50-180 ms
-to every hook. Any failure to reach or hear from the daemon raises
+It imports the standard library and the stdlib-only parts of
+``towerd.protocol`` (its own msgpack codec, ``lite``): not msgspec (about
+40 ms to import here), and never anyio, structlog or aiosqlite (50-180 ms
+each); tests/client/test_import_cost.py keeps it that way. Any failure to
+reach or hear from the daemon raises
 ``Unavailable``; after a timeout the connection is closed, since a late reply
 would otherwise answer the next request.
 """
@@ -12,15 +14,18 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
-from typing import Any
 
 from towerd.client.api import TowerdAPI
 from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
-from towerd.protocol.envelope import FRAME_ERROR_ID, decode_response, encode_request
 from towerd.protocol.errors import TowerdError, Unavailable
+from towerd.protocol.framing import FRAME_ERROR_ID
+from towerd.protocol.lite import decode_response, encode_request
 from towerd.protocol.paths import default_socket_path
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping, Sequence
+    from typing import Any
 
 DEFAULT_TIMEOUT = 10.0
 
@@ -33,10 +38,10 @@ def hello_params(client_name: str, principal: str | None) -> dict[str, Any]:
 
 
 def default_client_name() -> str:
-    return f"{Path(sys.argv[0]).name or 'python'}/{os.getpid()}"
+    return f"{os.path.basename(sys.argv[0]) or 'python'}/{os.getpid()}"
 
 
-class Client(TowerdAPI[Any]):
+class Client(TowerdAPI):
     """One connection to the daemon. Use as a context manager, or call :meth:`close`.
 
     ``principal`` names the agent or user whose idempotency keys this client
@@ -51,7 +56,7 @@ class Client(TowerdAPI[Any]):
         client_name: str | None = None,
         principal: str | None = None,
     ) -> None:
-        self.socket_path = Path(socket_path) if socket_path else default_socket_path()
+        self.socket_path = os.fspath(socket_path or default_socket_path())
         self.timeout = timeout
         self.client_name = client_name or default_client_name()
         self.principal = principal
@@ -70,7 +75,7 @@ class Client(TowerdAPI[Any]):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(self.timeout)
         try:
-            sock.connect(os.fspath(self.socket_path))
+            sock.connect(self.socket_path)
         except OSError as exc:
             sock.close()
             raise Unavailable(

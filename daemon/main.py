@@ -291,8 +291,8 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
     parser.add_argument("--version", action="version", version=f"towerd {VERSION}")
     args = parser.parse_args(argv)
     config = DaemonConfig(
-        socket_path=args.socket or default_socket_path(),
-        state_dir=args.state_dir or default_state_dir(),
+        socket_path=args.socket or Path(default_socket_path()),
+        state_dir=args.state_dir or Path(default_state_dir()),
         max_frame=args.max_frame,
         completed_ttl_seconds=args.completed_ttl,
         holder_check_interval=args.holder_check_interval,

@@ -15,10 +15,10 @@ from typing import Annotated, Any
 
 import msgspec
 
-from towerd.protocol.errors import BadFrame, FrameTooLarge, Internal, TowerdError, error_for_code
-from towerd.protocol.framing import DEFAULT_MAX_FRAME, encode_frame
+from towerd.protocol import lite
+from towerd.protocol.errors import BadFrame, Internal, TowerdError
+from towerd.protocol.framing import DEFAULT_MAX_FRAME, FRAME_ERROR_ID, encode_frame
 
-FRAME_ERROR_ID = 0
 MAX_REQUEST_ID = 2**63 - 1
 EMPTY_MAP = msgspec.Raw(b"\x80")
 
@@ -178,38 +178,14 @@ def encode_error(request_id: int, error: TowerdError) -> bytes:
 def encode_request(
     request_id: int, method: str, params: dict[str, Any], max_frame: int = DEFAULT_MAX_FRAME
 ) -> bytes:
-    """A whole request frame, as clients send it; ``FrameTooLarge`` if the daemon would
-    refuse it (so nothing is sent, and the caller knows nothing was applied)."""
-    payload = _encoder.encode({"id": request_id, "method": method, "params": params})
-    if len(payload) > max_frame:
-        raise FrameTooLarge(
-            f"the {method} request is {len(payload)} bytes, over the daemon's frame limit of "
-            f"{max_frame} bytes; nothing was sent",
-            {"length": len(payload), "limit": max_frame},
-        )
-    return encode_frame(payload)
+    """A whole request frame encoded with msgspec (see ``lite.encode_request``)."""
+    return lite.encode_request(request_id, method, params, max_frame, _encoder.encode)
 
 
 def decode_response(payload: bytes) -> tuple[int, Any, TowerdError | None]:
-    """Split a response frame into ``(id, result, error)``; exactly one of the last two is set."""
+    """``lite.decode_response`` with msgspec's decoder, for clients that have it loaded."""
     try:
         value = _any_decoder.decode(payload)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise Internal(f"daemon sent a malformed frame: {exc}") from None
-    if not isinstance(value, dict) or type(value.get("id")) is not int:
-        raise Internal(f"daemon sent a frame that is not a response: {value!r:.200}")
-    error = value.get("error")
-    if error is None:
-        return value["id"], value.get("result"), None
-    if not isinstance(error, dict):
-        return value["id"], None, Internal(f"malformed error body: {error!r:.200}")
-    data = error.get("data")
-    return (
-        value["id"],
-        None,
-        error_for_code(
-            str(error.get("code", "internal")),
-            str(error.get("message", "")),
-            data if isinstance(data, dict) else None,
-        ),
-    )
+    return lite.response_parts(value)

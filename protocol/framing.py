@@ -13,6 +13,7 @@ DEFAULT_MAX_FRAME = 1024 * 1024  # 1 MiB
 # A response may exceed the request limit by this much: it can carry back a value
 # that filled a whole request, plus the record and envelope around it.
 RESPONSE_SLACK = 64 * 1024
+FRAME_ERROR_ID = 0  # the id of an error about a frame whose own id could not be read
 PREFIX = struct.Struct(">I")
 PREFIX_SIZE = PREFIX.size
 
