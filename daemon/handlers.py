@@ -3,13 +3,20 @@
 The dispatch table is a closed dict built here; the server looks a method up
 in it and nowhere else, so a name like ``_private`` or ``__class__`` can only
 ever be ``unknown_method``.
+
+A handler returns its result when it has it at once (ping, point reads on the
+loop's read connection), or an awaitable: the writer's future for a write
+(answered when its batch has committed), a coroutine for slower reads and
+operator methods. The server answers either way.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from asyncio import Future
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +56,7 @@ class DaemonInfo:
         return self.max_frame // 2
 
 
-Handler = Callable[[Caller, Any], Awaitable[Any]]
+Handler = Callable[[Caller, Any], Any]  # a result, or an awaitable of one
 
 
 class Handlers:
@@ -91,7 +98,7 @@ class Handlers:
 
     # --- daemon ----------------------------------------------------------------------
 
-    async def hello(self, caller: Caller, params: m.HelloParams) -> m.HelloResult:
+    def hello(self, caller: Caller, params: m.HelloParams) -> m.HelloResult:
         if caller.hello_done:
             raise Conflict("this connection already said hello")
         return m.HelloResult(
@@ -104,7 +111,7 @@ class Handlers:
             principal=caller.principal,
         )
 
-    async def ping(self, caller: Caller, params: m.Empty) -> m.PingResult:
+    def ping(self, caller: Caller, params: m.Empty) -> m.PingResult:
         return m.PingResult(pong=True, now=now_ms())
 
     async def status(self, caller: Caller, params: m.Empty) -> m.StatusResult:
@@ -124,78 +131,72 @@ class Handlers:
             reconciliation=self.store.reconciliation,
         )
 
-    async def shutdown(self, caller: Caller, params: m.Empty) -> m.ShutdownResult:
+    def shutdown(self, caller: Caller, params: m.Empty) -> m.ShutdownResult:
         self._request_shutdown(f"shutdown requested by {caller.principal} (pid {caller.pid})")
         return m.ShutdownResult(stopping=True)
 
     # --- fleet -------------------------------------------------------------------------
 
-    async def session_register(
+    def session_register(
         self, caller: Caller, params: m.SessionRegisterParams
-    ) -> m.SessionRegisterResult:
-        return await self.store.write(
-            fleet.register_session, caller.principal, params, caller.holder
-        )
+    ) -> Future[m.SessionRegisterResult]:
+        return self.store.write(fleet.register_session, caller.principal, params, caller.holder)
 
-    async def session_update(self, caller: Caller, params: m.SessionUpdateParams) -> m.SessionRow:
-        return await self.store.write(fleet.update_session, params)
+    def session_update(self, caller: Caller, params: m.SessionUpdateParams) -> Future[m.SessionRow]:
+        return self.store.write(fleet.update_session, params)
 
-    async def session_remove(
+    def session_remove(
         self, caller: Caller, params: m.SessionIdParams
-    ) -> m.SessionRemoveResult:
-        return await self.store.write(fleet.remove_session, params.session_id)
+    ) -> Future[m.SessionRemoveResult]:
+        return self.store.write(fleet.remove_session, params.session_id)
 
     async def fleet_list(self, caller: Caller, params: m.FleetListParams) -> m.FleetListResult:
         return await self.store.read(
             fleet.list_sessions, params.limit, params.cursor, self.info.page_bytes
         )
 
-    async def fleet_get(self, caller: Caller, params: m.SessionIdParams) -> m.SessionRow:
-        return await self.store.read(fleet.get_session, params.session_id)
+    def fleet_get(self, caller: Caller, params: m.SessionIdParams) -> m.SessionRow:
+        return self.store.read_now(fleet.get_session, params.session_id)
 
-    async def fleet_write(self, caller: Caller, params: m.FleetWriteParams) -> m.FleetWriteResult:
-        return await self.store.write(fleet.write_fleet, params.sessions, params.removed)
+    def fleet_write(self, caller: Caller, params: m.FleetWriteParams) -> Future[m.FleetWriteResult]:
+        return self.store.write(fleet.write_fleet, params.sessions, params.removed)
 
-    async def fleet_import_legacy(
+    def fleet_import_legacy(
         self, caller: Caller, params: m.LegacyImportParams
-    ) -> m.LegacyImportResult:
-        return await self.store.write(import_legacy, params.entries)
+    ) -> Future[m.LegacyImportResult]:
+        return self.store.write(import_legacy, params.entries)
 
-    async def fleet_adopt(self, caller: Caller, params: m.FleetAdoptParams) -> m.FleetAdoptResult:
-        return await self.store.write(fleet.adopt_fleet, caller.principal, params.daemon_id)
+    def fleet_adopt(self, caller: Caller, params: m.FleetAdoptParams) -> Future[m.FleetAdoptResult]:
+        return self.store.write(fleet.adopt_fleet, caller.principal, params.daemon_id)
 
     # --- idempotency ---------------------------------------------------------------------
 
-    async def idem_claim(self, caller: Caller, params: m.IdemClaimParams) -> m.IdemClaimResult:
+    def idem_claim(self, caller: Caller, params: m.IdemClaimParams) -> Future[m.IdemClaimResult]:
         holder = caller.holder
         if params.holder_pid is not None:
             holder = holder_of(params.holder_pid)
             if holder is None:
                 raise BadArgs(f"holder_pid {params.holder_pid} is not a running process")
-        result = await self.store.write(idempotency.claim, caller.principal, params, holder)
-        if result.state == "claimed" and holder == caller.holder:
-            caller.claimed = True
-        return result
+        claimed = self.store.write(idempotency.claim, caller.principal, params, holder)
+        if holder is not None and holder == caller.holder:
+            claimed.add_done_callback(functools.partial(_note_own_claim, caller))
+        return claimed
 
-    async def idem_complete(self, caller: Caller, params: m.IdemCompleteParams) -> m.IdemRecord:
-        return await self.store.write(
+    def idem_complete(self, caller: Caller, params: m.IdemCompleteParams) -> Future[m.IdemRecord]:
+        return self.store.write(
             idempotency.complete, caller.principal, params.operation, params.key, params.result
         )
 
-    async def idem_release(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemReleaseResult:
-        return await self.store.write(
-            idempotency.release, caller.principal, params.operation, params.key
-        )
+    def idem_release(self, caller: Caller, params: m.IdemKeyParams) -> Future[m.IdemReleaseResult]:
+        return self.store.write(idempotency.release, caller.principal, params.operation, params.key)
 
-    async def idem_mark_unknown(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemRecord:
-        return await self.store.write(
+    def idem_mark_unknown(self, caller: Caller, params: m.IdemKeyParams) -> Future[m.IdemRecord]:
+        return self.store.write(
             idempotency.mark_unknown, caller.principal, params.operation, params.key
         )
 
-    async def idem_get(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemRecord:
-        return await self.store.read(
-            idempotency.get, caller.principal, params.operation, params.key
-        )
+    def idem_get(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemRecord:
+        return self.store.read_now(idempotency.get, caller.principal, params.operation, params.key)
 
     async def idem_list(self, caller: Caller, params: m.IdemListParams) -> m.IdemListResult:
         return await self.store.read(
@@ -208,10 +209,10 @@ class Handlers:
             self.info.page_bytes,
         )
 
-    async def idem_resolve(
+    def idem_resolve(
         self, caller: Caller, params: m.IdemResolveParams
-    ) -> m.IdemResolveResult:
-        return await self.store.write(
+    ) -> Future[m.IdemResolveResult]:
+        return self.store.write(
             idempotency.resolve,
             caller.principal,
             params.operation,
@@ -229,3 +230,11 @@ class Handlers:
 
     async def doctor(self, caller: Caller, params: m.DoctorParams) -> m.DoctorResult:
         return await self.store.on_own_connection(upkeep.health, params.full)
+
+
+def _note_own_claim(caller: Caller, claimed: Future[Any]) -> None:
+    """Remember that this connection's process holds a key: its disconnect triggers a
+    liveness sweep."""
+    if not claimed.cancelled() and claimed.exception() is None:
+        if claimed.result().state == "claimed":
+            caller.claimed = True

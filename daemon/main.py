@@ -18,7 +18,6 @@ from pathlib import Path
 import anyio
 import msgspec
 import structlog
-from anyio.abc import SocketListener
 
 from towerd.daemon import systemd
 from towerd.daemon.handlers import DaemonInfo, Handlers
@@ -125,7 +124,7 @@ async def _run(config: DaemonConfig, stop: StopRequest) -> None:
 
 
 async def serve(config, store, listening, socket_path: Path, stop: StopRequest) -> None:
-    listener = await SocketListener.from_socket(listening)
+    listening.setblocking(False)
     handlers = Handlers(
         store,
         DaemonInfo(
@@ -148,7 +147,7 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         on_disconnect=lambda caller: sweep.poke() if caller.claimed else None,
     )
     async with anyio.create_task_group() as tasks:
-        await tasks.start(server.serve, listener)
+        await tasks.start(server.serve, listening)
         tasks.start_soon(sweep.run)
         tasks.start_soon(expire_periodically, store, config.expiry_interval)
         tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval)
@@ -314,7 +313,9 @@ def main(argv: list[str] | None = None) -> None:
         args.log_level, json_lines=None if args.log_format == "auto" else args.log_format == "json"
     )
     try:
-        code = anyio.run(run_daemon, config, backend="asyncio")
+        code = anyio.run(
+            run_daemon, config, backend="asyncio", backend_options=_backend_options()
+        )
     except BaseException as exc:  # noqa: BLE001 - refusals may arrive inside exception groups
         refused = _first(exc, StartRefused)
         if refused is None:
@@ -327,6 +328,17 @@ def main(argv: list[str] | None = None) -> None:
             code = EXIT_REFUSED
         print(f"towerd: {refused}", file=sys.stderr)
     sys.exit(code)
+
+
+def _backend_options() -> dict[str, bool]:
+    """uvloop when installed (the `fast` extra): measured faster on the wire path."""
+    if os.environ.get("TOWERD_NO_UVLOOP"):
+        return {}
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return {}
+    return {"use_uvloop": True}
 
 
 def _first(exc: BaseException, kind: type[BaseException]) -> BaseException | None:

@@ -12,12 +12,13 @@ connection and never wait behind the writer.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import sqlite3
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -80,7 +81,7 @@ class _DbThread:
 class _Job:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
-    done: anyio.Event = field(default_factory=anyio.Event)
+    future: asyncio.Future[Any]
     result: Any = None
     error: BaseException | None = None
 
@@ -110,20 +111,36 @@ class Store:
         self._closing = False
         self._superseded = False  # set on the database thread, published after the hop
         self._upkeep_limiter = anyio.CapacityLimiter(1)
+        self._inline = _open_inline_reader(db_path)
 
     # --- the API handlers use ------------------------------------------------------
 
-    async def write(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(tx, *args)`` in the next committed batch; return once it is durable."""
+    def write(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Run ``fn(tx, *args)`` in the next committed batch.
+
+        Returns a future resolved once that batch has committed (so a reply sent
+        from it confirms a durable write); no task is needed to wait for it.
+        """
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         if self._closing or self.superseded.is_set():
-            raise Unavailable("towerd is shutting down; retry against the next daemon")
-        job = _Job(fn, args)
-        self._queue.append(job)
+            future.set_exception(
+                Unavailable("towerd is shutting down; retry against the next daemon")
+            )
+            return future
+        self._queue.append(_Job(fn, args, future))
         self._wakeup.set()
-        await job.done.wait()
-        if job.error is not None:
-            raise _as_wire_error(job.error)
-        return job.result
+        return future
+
+    def read_now(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(tx, *args)`` right here on the event loop's own read connection.
+
+        For point lookups only (a primary-key read takes microseconds): a hop to
+        the reader thread costs more than the read itself.
+        """
+        try:
+            return fn(Tx(self._inline, self.daemon_id, self.owner_epoch, now_ms()), *args)
+        except sqlite3.Error as exc:
+            raise _as_wire_error(exc) from exc
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, *args)`` on the read connection (sees committed data only)."""
@@ -160,7 +177,12 @@ class Store:
             with anyio.CancelScope(shield=True):
                 await self._writer.run(self._run_batch, batch)
             for job in batch:
-                job.done.set()
+                if job.future.done():
+                    continue  # its caller went away; the write stands
+                if job.error is not None:
+                    job.future.set_exception(_as_wire_error(job.error))
+                else:
+                    job.future.set_result(job.result)
             if self._superseded:
                 self.superseded.set()
 
@@ -265,6 +287,12 @@ def _open_writer(
     )
 
 
+def _open_inline_reader(db_path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(db_path, isolation_level=None)
+    _open_reader(conn)
+    return conn
+
+
 def _open_reader(conn: sqlite3.Connection) -> None:
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     conn.execute("PRAGMA query_only = 1")
@@ -294,6 +322,7 @@ async def open_store(config: StoreConfig) -> AsyncIterator[Store]:
                     yield store
                 finally:
                     store._close_queue()
+                    store._inline.close()
         finally:
             await reader.close()
     finally:

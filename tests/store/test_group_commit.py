@@ -30,6 +30,11 @@ def noting_batch(seen: list[Tx], fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+async def submit(store: Store, fn: Any, *args: Any) -> Any:
+    """Store.write returns a future; task groups want a coroutine function."""
+    return await store.write(fn, *args)
+
+
 class WriterGate:
     """Holds the writer inside one batch until released, so the next writes queue up
     together.
@@ -46,7 +51,7 @@ class WriterGate:
         assert self.release.wait(timeout=30), "gate never released"
 
     async def close_on(self, store: Store, tasks: anyio.abc.TaskGroup) -> None:
-        tasks.start_soon(store.write, self.job)
+        tasks.start_soon(submit, store, self.job)
         await anyio.to_thread.run_sync(self.entered.wait, 30)
 
     def open(self) -> None:
@@ -82,7 +87,8 @@ async def test_queued_writes_commit_as_one_batch(short_tmp: Path) -> None:
             await gate.close_on(store, tasks)
             for _ in range(100):
                 tasks.start_soon(
-                    store.write,
+                    submit,
+                    store,
                     noting_batch(seen, fleet.insert_session),
                     register_params(),
                 )
@@ -107,7 +113,7 @@ async def test_batches_respect_max_batch(short_tmp: Path) -> None:
         async with anyio.create_task_group() as tasks:
             await gate.close_on(store, tasks)
             for n in range(25):
-                tasks.start_soon(store.write, note, n)
+                tasks.start_soon(submit, store, note, n)
             await wait_all_tasks_blocked()
             gate.open()
     assert [n for _, n in seen] == list(range(25))
