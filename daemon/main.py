@@ -57,6 +57,7 @@ class DaemonConfig:
     max_connections: int = 1024
     frame_timeout: float = 10.0
     send_timeout: float = 10.0
+    log_level: str = "info"
 
 
 class StopRequest:
@@ -145,6 +146,7 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
             send_timeout=config.send_timeout,
         ),
         on_disconnect=lambda caller: sweep.poke() if caller.claimed else None,
+        trace_requests=config.log_level == "debug",
     )
     async with anyio.create_task_group() as tasks:
         await tasks.start(server.serve, listening)
@@ -303,6 +305,7 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         max_connections=args.max_connections,
         frame_timeout=args.frame_timeout,
         send_timeout=args.send_timeout,
+        log_level=args.log_level,
     )
     return config, args
 
@@ -313,9 +316,7 @@ def main(argv: list[str] | None = None) -> None:
         args.log_level, json_lines=None if args.log_format == "auto" else args.log_format == "json"
     )
     try:
-        code = anyio.run(
-            run_daemon, config, backend="asyncio", backend_options=_backend_options()
-        )
+        code = anyio.run(run_daemon, config, backend="asyncio", backend_options=_backend_options())
     except BaseException as exc:  # noqa: BLE001 - refusals may arrive inside exception groups
         refused = _first(exc, StartRefused)
         if refused is None:

@@ -45,11 +45,16 @@ _BOOLEAN_FIELDS = frozenset({"pinned", "exited"})
 _SQLITE_MAX_VARIABLES = 500  # stay far below SQLite's limit when chunking IN (...)
 
 
+_PINNED, _EXITED = ROW_COLUMNS.index("pinned"), ROW_COLUMNS.index("exited")
+assert ROW_COLUMNS == SessionRow.__struct_fields__, "SELECT order must match SessionRow"
+
+
 def row_from_sql(values: Sequence[Any]) -> SessionRow:
-    fields = dict(zip(ROW_COLUMNS, values, strict=True))
-    for name in _BOOLEAN_FIELDS:
-        fields[name] = bool(fields[name])
-    return SessionRow(**fields)
+    """A SessionRow from a row selected as ROW_COLUMNS (positional: a point read is hot)."""
+    fields = list(values)
+    fields[_PINNED] = bool(fields[_PINNED])
+    fields[_EXITED] = bool(fields[_EXITED])
+    return SessionRow(*fields)
 
 
 def _sql_value(name: str, value: Any) -> Any:

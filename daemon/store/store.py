@@ -112,6 +112,7 @@ class Store:
         self._superseded = False  # set on the database thread, published after the hop
         self._upkeep_limiter = anyio.CapacityLimiter(1)
         self._inline = _open_inline_reader(db_path)
+        self._inline_current = False  # does the loop's read transaction see the last commit?
 
     # --- the API handlers use ------------------------------------------------------
 
@@ -135,12 +136,27 @@ class Store:
         """Run ``fn(tx, *args)`` right here on the event loop's own read connection.
 
         For point lookups only (a primary-key read takes microseconds): a hop to
-        the reader thread costs more than the read itself.
+        the reader thread costs more than the read itself. Reads share one read
+        transaction until the writer next commits (starting one costs more than
+        the lookup); the writer marks it stale before it answers anyone, so a
+        client that was told its write is done always reads it back.
         """
+        conn = self._inline
         try:
-            return fn(Tx(self._inline, self.daemon_id, self.owner_epoch, now_ms()), *args)
+            if not self._inline_current:
+                if conn.in_transaction:
+                    conn.execute("COMMIT")
+                conn.execute("BEGIN")
+                self._inline_current = True
+            return fn(Tx(conn, self.daemon_id, self.owner_epoch, now_ms()), *args)
         except sqlite3.Error as exc:
             raise _as_wire_error(exc) from exc
+
+    def release_read_snapshot(self) -> None:
+        """End the loop's read transaction (it would hold back a truncating checkpoint)."""
+        if self._inline.in_transaction:
+            self._inline.execute("COMMIT")
+        self._inline_current = False
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, *args)`` on the read connection (sees committed data only)."""
@@ -155,6 +171,7 @@ class Store:
 
     async def on_own_connection(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(db_path, *args)`` (see ``upkeep``) in a worker thread, one at a time."""
+        self.release_read_snapshot()  # let a checkpoint or backup see past it
         try:
             return await anyio.to_thread.run_sync(
                 fn, self.db_path, *args, limiter=self._upkeep_limiter
@@ -176,6 +193,7 @@ class Store:
             del self._queue[: self.config.max_batch]
             with anyio.CancelScope(shield=True):
                 await self._writer.run(self._run_batch, batch)
+            self._inline_current = False  # before any caller hears of this commit
             for job in batch:
                 if job.future.done():
                     continue  # its caller went away; the write stands
