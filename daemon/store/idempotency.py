@@ -15,6 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from towerd.daemon.store.tx import PAGE_BYTES, Tx, pack, pack_canonical, take_page, unpack
 from towerd.protocol.errors import (
     Conflict,
@@ -115,18 +117,16 @@ def _require(tx: Tx, principal: str, operation: str, key: str) -> _Row:
     return row
 
 
-def _set_state(tx: Tx, principal: str, row: _Row, state: str, result: Any = None) -> None:
+def _set_state(tx: Tx, principal: str, row: _Row, state: str, result: Any = None) -> IdemRecord:
+    """Move a key to ``state``; returns the record as now stored (without reading it back)."""
+    packed = pack(result) if state == COMPLETED else None
     tx.conn.execute(
         "UPDATE idempotency SET state = ?, result = ?, updated_at = ? "
         "WHERE principal = ? AND operation = ? AND key = ?",
-        (
-            state,
-            pack(result) if state == COMPLETED else None,
-            tx.now,
-            principal,
-            row.record.operation,
-            row.record.key,
-        ),
+        (state, packed, tx.now, principal, row.record.operation, row.record.key),
+    )
+    return msgspec.structs.replace(
+        row.record, state=state, result=unpack(packed), updated_at=tx.now
     )
 
 
@@ -261,8 +261,7 @@ def complete(tx: Tx, principal: str, operation: str, key: str, result: Any) -> I
                 {"operation": operation, "key": key},
             )
         return row.record
-    _set_state(tx, principal, row, COMPLETED, result)
-    return _require(tx, principal, operation, key).record
+    return _set_state(tx, principal, row, COMPLETED, result)
 
 
 def release(tx: Tx, principal: str, operation: str, key: str) -> IdemReleaseResult:
@@ -295,8 +294,7 @@ def mark_unknown(tx: Tx, principal: str, operation: str, key: str) -> IdemRecord
             {"operation": operation, "key": key},
         )
     if row.record.state == IN_PROGRESS:
-        _set_state(tx, principal, row, OUTCOME_UNKNOWN)
-        row = _require(tx, principal, operation, key)
+        return _set_state(tx, principal, row, OUTCOME_UNKNOWN)
     return row.record
 
 
@@ -313,8 +311,7 @@ def resolve(
         )
     record: IdemRecord | None = None
     if outcome == COMPLETED:
-        _set_state(tx, principal, row, COMPLETED, result)
-        record = _require(tx, principal, operation, key).record
+        record = _set_state(tx, principal, row, COMPLETED, result)
     else:
         _delete(tx, principal, operation, key)
     log_operator_action(

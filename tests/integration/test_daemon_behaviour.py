@@ -118,3 +118,15 @@ def test_a_fault_inside_a_handler_is_internal_logged_and_survived(daemon):
     assert "exception" in crashed[-1]  # structured traceback
     with daemon.client() as other:
         assert other.ping()["pong"]
+
+
+@pytest.mark.parametrize("codec", ["lite", "msgspec", "auto"])
+def test_blocking_client_codecs_speak_the_same_wire(daemon, codec):
+    """The stdlib codec (hooks) and msgspec's (services) give identical results."""
+    with daemon.client(codec=codec) as client:
+        session = client.session_register(cwd="/r", agent="a", name="ünïcödé", prompt="x" * 70000)
+        row = client.fleet_get(session["session_id"])
+        assert row["name"] == "ünïcödé" and len(row["prompt"]) == 70000
+        client.idem_claim("op", f"k-{codec}", payload={"b": [1, 2.5, None, True, b"\x00"]})
+        done = client.idem_complete("op", f"k-{codec}", {"bytes": b"\xff" * 300, "n": -(2**40)})
+        assert done["result"] == {"bytes": b"\xff" * 300, "n": -(2**40)}

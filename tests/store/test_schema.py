@@ -15,6 +15,8 @@ from store_helpers import db_path, execute, opened, query, register, state_dir
 from towerd.daemon.private_paths import StartRefused
 from towerd.daemon.store import schema
 
+CURRENT = schema.SCHEMA_VERSION  # the ladder grows; these tests add the step after it
+
 pytestmark = pytest.mark.anyio
 
 
@@ -271,7 +273,7 @@ async def test_failed_migration_leaves_version_and_tables_intact(
     await populated(short_tmp, rows=3)
     shape_before = schema.expected_shape()
     bad_step = schema.Migration(
-        2,
+        CURRENT + 1,
         "a step that breaks halfway",
         (
             "CREATE TABLE added_by_v2 (x INTEGER) STRICT",
@@ -280,17 +282,17 @@ async def test_failed_migration_leaves_version_and_tables_intact(
         ),
     )
     monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, bad_step))
-    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", CURRENT + 1)
     with pytest.raises(sqlite3.OperationalError, match="no_such_table"):
         async with opened(short_tmp):
             pass
     monkeypatch.undo()
-    assert query(short_tmp, "PRAGMA user_version") == [(1,)]
+    assert query(short_tmp, "PRAGMA user_version") == [(CURRENT,)]
     with closing(sqlite3.connect(db_path(short_tmp))) as conn:
         assert schema.shape_of(conn) == shape_before
     assert query(short_tmp, "SELECT count(*) FROM sessions") == [(3,)]
     backups = list((state_dir(short_tmp) / "backups").iterdir())
-    assert len(backups) == 1 and backups[0].name.startswith("towerd-v1-")
+    assert len(backups) == 1 and backups[0].name.startswith(f"towerd-v{CURRENT}-")
     # The untouched v1 database still opens with the real ladder.
     async with opened(short_tmp) as store:
         assert store.owner_epoch == 2
@@ -301,12 +303,14 @@ async def test_successful_migration_climbs_one_step(
 ) -> None:
     """A good v2 step is applied once, stamps user_version 2, and keeps the data."""
     await populated(short_tmp, rows=2)
-    good_step = schema.Migration(2, "add a table", ("CREATE TABLE added_by_v2 (x INTEGER) STRICT",))
+    good_step = schema.Migration(
+        CURRENT + 1, "add a table", ("CREATE TABLE added_by_v2 (x INTEGER) STRICT",)
+    )
     monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, good_step))
-    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", CURRENT + 1)
     async with opened(short_tmp) as store:
         assert store.owner_epoch == 2
-    assert query(short_tmp, "PRAGMA user_version") == [(2,)]
+    assert query(short_tmp, "PRAGMA user_version") == [(CURRENT + 1,)]
     assert query(short_tmp, "SELECT count(*) FROM added_by_v2") == [(0,)]
     assert query(short_tmp, "SELECT count(*) FROM sessions") == [(2,)]
 
@@ -320,12 +324,14 @@ async def test_misshapen_old_version_is_refused_before_it_is_migrated(
     await populated(short_tmp, rows=1)
     execute(short_tmp, "ALTER TABLE sessions ADD COLUMN extra TEXT")
     before = sha256(db_path(short_tmp))
-    good_step = schema.Migration(2, "add a table", ("CREATE TABLE added_by_v2 (x INTEGER) STRICT",))
+    good_step = schema.Migration(
+        CURRENT + 1, "add a table", ("CREATE TABLE added_by_v2 (x INTEGER) STRICT",)
+    )
     monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, good_step))
-    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", CURRENT + 1)
     message = str(await refused(short_tmp))
     assert "table sessions" in message
-    assert query(short_tmp, "PRAGMA user_version") == [(1,)]
+    assert query(short_tmp, "PRAGMA user_version") == [(CURRENT,)]
     assert sha256(db_path(short_tmp)) == before
 
 
@@ -340,3 +346,31 @@ async def test_misshapen_rollback_journal_database_is_refused_untouched(
     before = sha256(db_path(short_tmp))
     assert "table sessions" in str(await refused(short_tmp))
     assert sha256(db_path(short_tmp)) == before
+
+
+async def test_a_version_1_database_climbs_to_version_2(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real ladder: a file made by the version-1 code is backed up, gains the
+    principal indexes, keeps its rows and keys, and the backup is a sound v1 file."""
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 1)
+    await populated(short_tmp, rows=4)
+    monkeypatch.undo()
+    assert query(short_tmp, "PRAGMA user_version") == [(1,)]
+    async with opened(short_tmp) as store:
+        assert (
+            len(await store.read(lambda tx: tx.conn.execute("SELECT * FROM sessions").fetchall()))
+            == 4
+        )
+    assert query(short_tmp, "PRAGMA user_version") == [(2,)]
+    indexes = {
+        row[0] for row in query(short_tmp, "SELECT name FROM sqlite_master WHERE type='index'")
+    }
+    assert {"idempotency_by_principal", "idempotency_by_principal_state"} <= indexes
+    (backup,) = (state_dir(short_tmp) / "backups").iterdir()
+    assert backup.name.startswith("towerd-v1-")
+    with closing(sqlite3.connect(backup)) as old:
+        assert old.execute("PRAGMA user_version").fetchone() == (1,)
+        assert old.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        assert old.execute("SELECT count(*) FROM sessions").fetchone() == (4,)
