@@ -130,3 +130,15 @@ def test_blocking_client_codecs_speak_the_same_wire(daemon, codec):
         client.idem_claim("op", f"k-{codec}", payload={"b": [1, 2.5, None, True, b"\x00"]})
         done = client.idem_complete("op", f"k-{codec}", {"bytes": b"\xff" * 300, "n": -(2**40)})
         assert done["result"] == {"bytes": b"\xff" * 300, "n": -(2**40)}
+
+
+def test_daemon_serves_on_the_plain_asyncio_loop_too(make_daemon):
+    """uvloop is optional (the `fast` extra): without it the same daemon serves the same
+    protocol on asyncio's own loop."""
+    daemon = make_daemon()
+    daemon.start(env=daemon.env(TOWERD_NO_UVLOOP="1"))
+    with daemon.client() as client:
+        session = client.session_register(cwd="/r", agent="a")["session_id"]
+        assert client.fleet_get(session)["session_id"] == session
+        assert client.call_many([("ping", None)] * 20)[-1]["pong"] is True
+    assert daemon.stop() == 0

@@ -1,0 +1,435 @@
+"""Durable writes under concurrency: towerd against SQLite opened directly.
+
+    .venv/bin/python bench/writes.py [--seconds 5] [--clients 1,8,64] [--quick]
+
+One op is an idempotent claim then complete of a fresh key (one completed row).
+For each N, every measurement on a fresh state dir or database file:
+
+* towerd, N client processes: each its own blocking ``Client``, one op after
+  the other (``idem_claim`` then ``idem_complete``, distinct keys);
+* towerd, N tasks in one process: each task its own ``AsyncClient`` connection;
+* direct SQLite (the baseline): N processes open the same file (WAL,
+  ``synchronous=FULL``, ``busy_timeout=5000``) and run claim and complete as
+  one ``BEGIN IMMEDIATE`` transaction each, with towerd's own statements and
+  table, retrying on ``SQLITE_BUSY`` (``bench/_direct_sqlite.py``);
+
+and once, the ceiling: one process inserting the same completed rows with
+plain sqlite3 at ``synchronous=FULL``, 100 and 1000 rows per transaction (the
+better of the two is the ceiling).
+
+towerd runs at its default durability (WAL, ``synchronous=FULL``: a reply means
+the write is on disk). Workers are forked, connect, and wait on a barrier;
+a second barrier starts the window together, and only ops that finished inside
+the window are counted (worker start-up is not). Latency is one whole op
+(claim + complete). ``daemon CPU`` is the daemon's user+system time over the
+window (its event loop plus its SQLite threads; 100% = one core), ``clients
+CPU`` the same for all worker processes together; ``busy`` is the share of all
+the machine's cores in use (anything else running counts too). Clients, daemon
+and SQLite all share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import threading
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import _direct_sqlite as direct
+
+from benchlib import Daemon, machine, percentile
+from towerd.client import Client
+
+OPERATION = "bench.write"
+BARRIER_TIMEOUT = 120.0
+CEILING_BATCHES = (100, 1000)
+TARGET_N = 64
+TARGET_VS_BASELINE = 10.0
+TARGET_VS_CEILING = 0.5
+
+
+# --- workers (forked) ------------------------------------------------------------------
+
+
+@dataclass
+class Sync:
+    """Start line shared by the parent and its workers."""
+
+    ready: Any  # multiprocessing Barrier: every worker connected
+    go: Any  # multiprocessing Barrier: the window starts
+    deadline: Any  # shared double, time.monotonic() at the end of the window
+
+    def start(self) -> float:
+        """Called by a worker once set up; returns the end of the window."""
+        self.ready.wait(BARRIER_TIMEOUT)
+        self.go.wait(BARRIER_TIMEOUT)
+        return float(self.deadline.value)
+
+
+Outcome = tuple[int, array, int]  # ops inside the window, their latencies (ms), busy retries
+Body = Callable[[int, int, Any, Sync], Outcome]
+
+
+def towerd_process(index: int, n: int, socket_path: Path, sync: Sync) -> Outcome:
+    latencies = array("d")
+    with Client(socket_path) as client:
+        deadline = sync.start()
+        i = 0
+        while True:
+            key = f"p{index}-{i}"
+            started = time.monotonic()
+            client.idem_claim(OPERATION, key)
+            client.idem_complete(OPERATION, key, {"i": i})
+            finished = time.monotonic()
+            if finished > deadline:
+                break
+            latencies.append((finished - started) * 1000)
+            i += 1
+    return len(latencies), latencies, 0
+
+
+def towerd_tasks(index: int, n: int, socket_path: Path, sync: Sync) -> Outcome:
+    from contextlib import AsyncExitStack
+
+    import anyio
+
+    from towerd.client import AsyncClient
+
+    latencies = array("d")
+
+    async def one_client(task: int, client: AsyncClient, deadline: float) -> None:
+        i = 0
+        while True:
+            key = f"t{task}-{i}"
+            started = time.monotonic()
+            await client.idem_claim(OPERATION, key)
+            await client.idem_complete(OPERATION, key, {"i": i})
+            finished = time.monotonic()
+            if finished > deadline:
+                return
+            latencies.append((finished - started) * 1000)
+            i += 1
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack:
+            clients = [
+                await stack.enter_async_context(AsyncClient.open(socket_path)) for _ in range(n)
+            ]
+            deadline = await anyio.to_thread.run_sync(sync.start)
+            async with anyio.create_task_group() as tasks:
+                for task, client in enumerate(clients):
+                    tasks.start_soon(one_client, task, client, deadline)
+
+    anyio.run(main)
+    return len(latencies), latencies, 0
+
+
+def direct_process(index: int, n: int, db_path: Path, sync: Sync) -> Outcome:
+    latencies = array("d")
+    keys = direct.DirectKeys(db_path, OPERATION)
+    try:
+        deadline = sync.start()
+        i = 0
+        while True:
+            key = f"d{index}-{i}"
+            started = time.monotonic()
+            keys.claim(key)
+            keys.complete(key, {"i": i})
+            finished = time.monotonic()
+            if finished > deadline:
+                break
+            latencies.append((finished - started) * 1000)
+            i += 1
+    finally:
+        keys.close()
+    return len(latencies), latencies, keys.retries
+
+
+def ceiling_process(index: int, n: int, arg: tuple[Path, int], sync: Sync) -> Outcome:
+    """Rows committed inside the window; latencies are whole batches."""
+    db_path, batch = arg
+    latencies = array("d")
+    conn = direct.connect(db_path)
+    pid = os.getpid()
+    rows_done = 0
+    try:
+        deadline = sync.start()
+        while True:
+            started = time.monotonic()
+            rows = [
+                direct.completed_row(OPERATION, f"c{rows_done + j}", {"i": rows_done + j}, pid)
+                for j in range(batch)
+            ]
+            direct.insert_batch(conn, rows)
+            finished = time.monotonic()
+            if finished > deadline:
+                break
+            latencies.append((finished - started) * 1000)
+            rows_done += batch
+    finally:
+        conn.close()
+    return rows_done, latencies, 0
+
+
+def _worker_main(body: Body, index: int, n: int, arg: Any, sync: Sync, results: Any) -> None:
+    try:
+        ops, latencies, retries = body(index, n, arg, sync)
+        results.put((index, ops, latencies.tobytes(), retries, None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        sync.ready.abort()
+        sync.go.abort()
+        results.put((index, 0, b"", 0, f"{type(exc).__name__}: {exc}"))
+
+
+# --- measuring -------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    label: str
+    n: int
+    seconds: float
+    ops: int
+    latencies: list[float]
+    retries: int = 0
+    daemon_cpu: float | None = None  # percent of one core
+    clients_cpu: float | None = None  # percent of one core, all worker processes together
+    machine_busy: float | None = None  # percent of all cores
+    per_batch: bool = False
+
+    @property
+    def rate(self) -> float:
+        return self.ops / self.seconds
+
+
+def _proc_cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_ticks() -> tuple[int, int]:
+    with open("/proc/stat") as handle:
+        values = [int(v) for v in handle.readline().split()[1:]]
+    idle = values[3] + values[4]
+    return sum(values), idle
+
+
+def measure(
+    label: str,
+    body: Body,
+    processes: int,
+    n: int,
+    arg: Any,
+    seconds: float,
+    daemon_pid: int | None = None,
+) -> Sample:
+    """Fork ``processes`` workers, start them together, collect what they did in the window."""
+    ctx = mp.get_context("fork")
+    sync = Sync(ctx.Barrier(processes + 1), ctx.Barrier(processes + 1), ctx.RawValue("d", 0.0))
+    results = ctx.Queue()
+    workers = [
+        ctx.Process(target=_worker_main, args=(body, index, n, arg, sync, results), daemon=True)
+        for index in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    try:
+        sync.ready.wait(BARRIER_TIMEOUT)
+        sync.deadline.value = time.monotonic() + seconds
+        sync.go.wait(BARRIER_TIMEOUT)
+    except threading.BrokenBarrierError:
+        error = results.get(timeout=30)[4]  # the first worker that failed aborted the barriers
+        for worker in workers:
+            worker.kill()
+        raise RuntimeError(f"{label}: a worker failed before the window: {error}") from None
+    cpu_before = _proc_cpu_seconds(daemon_pid) if daemon_pid else 0.0
+    clients_before = sum(_proc_cpu_seconds(worker.pid) for worker in workers)
+    ticks_before = _machine_ticks()
+    window_start = time.monotonic()
+    time.sleep(max(0.0, sync.deadline.value - time.monotonic()))
+    elapsed = time.monotonic() - window_start
+    cpu_after = _proc_cpu_seconds(daemon_pid) if daemon_pid else 0.0
+    clients_after = sum(_proc_cpu_seconds(worker.pid) for worker in workers)
+    ticks_after = _machine_ticks()
+    outcomes = [results.get(timeout=BARRIER_TIMEOUT) for _ in workers]
+    for worker in workers:
+        worker.join(30)
+    failures = [error for *_, error in outcomes if error]
+    if failures:
+        raise RuntimeError(f"{label}: {len(failures)} worker(s) failed: {failures[0]}")
+    latencies: list[float] = []
+    for _, _, data, _, _ in outcomes:
+        chunk = array("d")
+        chunk.frombytes(data)
+        latencies.extend(chunk)
+    total, idle = (after - before for after, before in zip(ticks_after, ticks_before, strict=True))
+    return Sample(
+        label=label,
+        n=n,
+        seconds=seconds,
+        ops=sum(ops for _, ops, _, _, _ in outcomes),
+        latencies=latencies,
+        retries=sum(retries for _, _, _, retries, _ in outcomes),
+        daemon_cpu=100 * (cpu_after - cpu_before) / elapsed if daemon_pid else None,
+        clients_cpu=100 * (clients_after - clients_before) / elapsed,
+        machine_busy=100 * (total - idle) / total if total else None,
+    )
+
+
+def fresh_dir(root: Path, name: str) -> Path:
+    path = root / name
+    path.mkdir(mode=0o700)
+    return path
+
+
+def measure_towerd(root: Path, n: int, seconds: float, tasks: bool) -> Sample:
+    workdir = fresh_dir(root, f"towerd-{'tasks' if tasks else 'procs'}-{n}")
+    daemon = Daemon(workdir)
+    if not daemon.start():
+        raise RuntimeError(f"towerd did not start; see {workdir / 'daemon.log'}")
+    try:
+        if tasks:
+            label = "towerd, tasks in 1 process"
+            sample = measure(label, towerd_tasks, 1, n, daemon.socket_path, seconds, daemon.pid)
+        else:
+            label = "towerd, client processes"
+            sample = measure(label, towerd_process, n, n, daemon.socket_path, seconds, daemon.pid)
+        with Client(daemon.socket_path) as client:
+            completed = client.status()["keys"]["completed"]
+        if completed < sample.ops:
+            raise RuntimeError(f"{label}: {sample.ops} ops counted, {completed} keys completed")
+    finally:
+        daemon.stop()
+    return sample
+
+
+def measure_direct(root: Path, n: int, seconds: float) -> Sample:
+    db_path = fresh_dir(root, f"direct-{n}") / "direct.db"
+    direct.create_db(db_path)
+    sample = measure("direct SQLite, processes", direct_process, n, n, db_path, seconds)
+    completed = direct.count_completed(db_path)
+    if completed < sample.ops:
+        raise RuntimeError(f"direct: {sample.ops} ops counted, {completed} keys completed")
+    return sample
+
+
+def measure_ceiling(root: Path, batch: int, seconds: float) -> Sample:
+    db_path = fresh_dir(root, f"ceiling-{batch}") / "ceiling.db"
+    direct.create_db(db_path)
+    sample = measure(
+        f"ceiling: sqlite3, {batch} rows/tx", ceiling_process, 1, 1, (db_path, batch), seconds
+    )
+    sample.per_batch = True
+    return sample
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def _ratio(value: float, against: float) -> str:
+    return f"{value / against:.2f}x" if against else "-"
+
+
+def report(samples: list[Sample], seconds: float) -> None:
+    ceilings = [s for s in samples if s.per_batch]
+    ceiling = max(ceilings, key=lambda s: s.rate) if ceilings else None
+    baselines = {s.n: s for s in samples if s.label.startswith("direct")}
+    header = (
+        f"{'measurement':<32} {'N':>3} {'ops/s':>8} {'median ms':>10} {'p99 ms':>9} "
+        f"{'vs direct':>10} {'vs ceiling':>11} {'retries':>8} {'daemon CPU':>11} "
+        f"{'clients CPU':>12} {'busy':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for sample in samples:
+        towerd = sample.label.startswith("towerd")
+        baseline = baselines.get(sample.n)
+        median, p99 = percentile(sample.latencies, 0.5), percentile(sample.latencies, 0.99)
+        print(
+            f"{sample.label:<32} {sample.n:>3} {sample.rate:>8.0f} {median:>10.2f} {p99:>9.2f} "
+            f"{_ratio(sample.rate, baseline.rate) if towerd and baseline else '':>10} "
+            f"{_ratio(sample.rate, ceiling.rate) if towerd and ceiling else '':>11} "
+            f"{sample.retries if sample.label.startswith('direct') else '':>8} "
+            f"{f'{sample.daemon_cpu:.0f}%' if sample.daemon_cpu is not None else '':>11} "
+            f"{f'{sample.clients_cpu:.0f}%' if sample.clients_cpu is not None else '':>12} "
+            f"{f'{sample.machine_busy:.0f}%' if sample.machine_busy is not None else '':>6}"
+        )
+    best = f" ({ceiling.label.split(': ')[1]}, {ceiling.rate:.0f} rows/s)" if ceiling else ""
+    print(
+        f"\nops/s = completed claim+complete pairs per second = rows/s; window {seconds:g} s per "
+        "measurement. Ceiling rows: ops/s is rows/s and latency is one whole batch "
+        f"transaction; the ceiling is the best batch size{best}. "
+        "retries: direct transactions retried after SQLite answered SQLITE_BUSY. CPU columns: "
+        "percent of one core over the window; busy: share of all cores in use, by anything."
+    )
+    print()
+    for mode in ("towerd, client processes", "towerd, tasks in 1 process"):
+        sample = next((s for s in samples if s.label == mode and s.n == TARGET_N), None)
+        baseline = baselines.get(TARGET_N)
+        if sample is None or baseline is None or ceiling is None:
+            print(
+                f"target: durable claim+complete, {TARGET_N} clients ({mode.split(', ')[1]}): "
+                f"not measured in this run (needs N={TARGET_N} in --clients) -> NOT met"
+            )
+            continue
+        vs_baseline = sample.rate / baseline.rate if baseline.rate else float("inf")
+        vs_ceiling = sample.rate / ceiling.rate
+        print(
+            f"target: durable claim+complete, {TARGET_N} clients ({mode.split(', ')[1]}) >= "
+            f"{TARGET_VS_BASELINE:g}x direct SQLite: measured {vs_baseline:.2f}x "
+            f"({sample.rate:.0f} vs {baseline.rate:.0f} ops/s) -> "
+            f"{'met' if vs_baseline >= TARGET_VS_BASELINE else 'NOT met'}"
+        )
+        print(
+            f"target: durable claim+complete, {TARGET_N} clients ({mode.split(', ')[1]}) >= "
+            f"{TARGET_VS_CEILING:g}x raw batched sqlite3 rows/s: measured {vs_ceiling:.2f}x "
+            f"({sample.rate:.0f} vs {ceiling.rate:.0f} rows/s) -> "
+            f"{'met' if vs_ceiling >= TARGET_VS_CEILING else 'NOT met'}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=None, help="window per measurement (5)")
+    parser.add_argument("--clients", default="1,8,64", help="comma-separated N (1,8,64)")
+    parser.add_argument("--quick", action="store_true", help="1.5 s windows: a smoke run")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directories")
+    args = parser.parse_args()
+    seconds = args.seconds or (1.5 if args.quick else 5.0)
+    counts = [int(n) for n in args.clients.split(",")]
+
+    print(machine())
+    print(
+        f"durable writes: one op = idem.claim + idem.complete of a fresh key; window {seconds:g} "
+        f"s; N = {', '.join(map(str, counts))}; towerd at its default durability "
+        "(WAL, synchronous=FULL); direct baseline WAL, synchronous=FULL, busy_timeout=5000"
+    )
+    print()
+    root = Path(tempfile.mkdtemp(prefix="towerd-writes-"))
+    samples: list[Sample] = []
+    try:
+        for batch in CEILING_BATCHES:
+            samples.append(measure_ceiling(root, batch, seconds))
+        for n in counts:
+            samples.append(measure_direct(root, n, seconds))
+            samples.append(measure_towerd(root, n, seconds, tasks=False))
+            samples.append(measure_towerd(root, n, seconds, tasks=True))
+    finally:
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    report(samples, seconds)
+
+
+if __name__ == "__main__":
+    main()
