@@ -80,7 +80,9 @@ Body = Callable[[int, int, Any, Sync], Outcome]
 
 def towerd_process(index: int, n: int, socket_path: Path, sync: Sync) -> Outcome:
     latencies = array("d")
-    with Client(socket_path) as client:
+    # A long-running writer, not a hook: it takes the C msgpack codec (the default for
+    # a process that has not loaded msgspec is the stdlib one, for fast start-up).
+    with Client(socket_path, codec="msgspec") as client:
         deadline = sync.start()
         i = 0
         while True:
@@ -129,6 +131,48 @@ def towerd_tasks(index: int, n: int, socket_path: Path, sync: Sync) -> Outcome:
                     tasks.start_soon(one_client, task, client, deadline)
 
     anyio.run(main)
+    return len(latencies), latencies, 0
+
+
+def store_engine(index: int, n: int, state_dir: Path, sync: Sync) -> Outcome:
+    """towerd's store in-process: N tasks, no socket, no client. What the daemon's write
+    engine (group commit) can do when nothing else shares the machine's two cores."""
+    import anyio
+
+    from towerd.daemon.store import StoreConfig, idempotency, open_store
+    from towerd.daemon.store.idempotency import Holder
+    from towerd.protocol.methods import IdemClaimParams
+
+    latencies = array("d")
+    holder = Holder(os.getpid(), 0)
+
+    async def main() -> None:
+        async with open_store(StoreConfig(state_dir)) as store:
+
+            async def one_client(task: int, deadline: float) -> None:
+                i = 0
+                while True:
+                    key = f"t{task}-{i}"
+                    started = time.monotonic()
+                    await store.write(
+                        idempotency.claim,
+                        "p",
+                        IdemClaimParams(operation=OPERATION, key=key),
+                        holder,
+                    )
+                    await store.write(idempotency.complete, "p", OPERATION, key, {"i": i})
+                    finished = time.monotonic()
+                    if finished > deadline:
+                        return
+                    latencies.append((finished - started) * 1000)
+                    i += 1
+
+            deadline = sync.start()
+            async with anyio.create_task_group() as tasks:
+                for task in range(n):
+                    tasks.start_soon(one_client, task, deadline)
+
+    anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
     return len(latencies), latencies, 0
 
 
@@ -322,6 +366,11 @@ def measure_direct(root: Path, n: int, seconds: float) -> Sample:
     return sample
 
 
+def measure_engine(root: Path, n: int, seconds: float) -> Sample:
+    state_dir = fresh_dir(root, f"engine-{n}")
+    return measure("towerd store engine, no socket", store_engine, 1, n, state_dir, seconds)
+
+
 def measure_ceiling(root: Path, batch: int, seconds: float) -> Sample:
     db_path = fresh_dir(root, f"ceiling-{batch}") / "ceiling.db"
     direct.create_db(db_path)
@@ -423,6 +472,7 @@ def main() -> None:
             samples.append(measure_direct(root, n, seconds))
             samples.append(measure_towerd(root, n, seconds, tasks=False))
             samples.append(measure_towerd(root, n, seconds, tasks=True))
+            samples.append(measure_engine(root, n, seconds))
     finally:
         if args.keep:
             print(f"kept {root}")

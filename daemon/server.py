@@ -62,6 +62,7 @@ from towerd.protocol.errors import (
 log = structlog.get_logger("towerd.server")
 
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
+BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 DEFAULT_PRINCIPAL = "default"
 
 _PARAMS_DECODERS = {name: msgspec.msgpack.Decoder(spec.params) for name, spec in m.METHODS.items()}
@@ -96,7 +97,7 @@ def bind_private_socket(path: Path) -> socket.socket:
         raise StartRefused(f"cannot listen on {path}: {exc.strerror}") from None
     finally:
         os.umask(previous)
-    sock.listen(1024)
+    sock.listen(BACKLOG)
     return sock
 
 
@@ -138,7 +139,11 @@ class Server:
     ) -> None:
         """Accept on ``listening`` until cancelled; :meth:`drain` first for a clean stop."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: Connection(self), sock=listening)
+        # asyncio listens again with its own backlog (100 by default): bursts of
+        # hooks connecting at once must not be refused.
+        self._server = await loop.create_unix_server(
+            lambda: Connection(self), sock=listening, backlog=BACKLOG
+        )
         try:
             task_status.started()
             await anyio.sleep_forever()

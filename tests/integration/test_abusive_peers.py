@@ -158,3 +158,20 @@ def rss_kib(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     raise AssertionError("no VmRSS")
+
+
+def test_a_burst_of_connections_is_not_refused_by_a_short_backlog(daemon):
+    """Hundreds of hooks connecting at the same instant: none is turned away by the
+    kernel (asyncio's default listen backlog of 100 did exactly that)."""
+    burst = []
+    try:
+        for _ in range(600):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            sock.connect(str(daemon.socket_path))  # BlockingIOError if the backlog is full
+            burst.append(sock)
+    finally:
+        for sock in burst:
+            sock.close()
+    assert len(burst) == 600
+    assert ping_latency(daemon) < 2.0
