@@ -352,6 +352,20 @@ VETTED = frozenset(
         "idem.list",
         "idem.resolve",
         "doctor",  # read-only checks of the daemon's own database
+        # leases and effects: records in the daemon's own database only
+        "lease.acquire",
+        "lease.renew",
+        "lease.release",
+        "lease.get",
+        "lease.list",
+        "effect.claim",
+        "effect.heartbeat",
+        "effect.commit",
+        "effect.abort",
+        "effect.fail",
+        "effect.resolve",
+        "effect.get",
+        "effect.list",
     }
 )
 SANDBOXED = {"backup": "path"}  # method -> the param naming a file it writes

@@ -141,6 +141,91 @@ class TowerdAPI:
             {"operation": operation, "key": key, "outcome": outcome, "result": result},
         )
 
+    # --- leases ----------------------------------------------------------------------------
+
+    def lease_acquire(self, resource: str, *, ttl_ms: int | None = None) -> Any:
+        """``{resource, fencing_token, expires_at, holder, renewed}``; ``LeaseHeld`` if taken."""
+        return self.call("lease.acquire", _given(resource=resource, ttl_ms=ttl_ms))
+
+    def lease_renew(self, resource: str, fencing_token: int, *, ttl_ms: int | None = None) -> Any:
+        return self.call(
+            "lease.renew", _given(resource=resource, fencing_token=fencing_token, ttl_ms=ttl_ms)
+        )
+
+    def lease_release(self, resource: str, fencing_token: int) -> Any:
+        return self.call("lease.release", {"resource": resource, "fencing_token": fencing_token})
+
+    def lease_get(self, resource: str) -> Any:
+        return self.call("lease.get", {"resource": resource})
+
+    def lease_list(self) -> Any:
+        return self.call("lease.list")
+
+    # --- the effects ledger ------------------------------------------------------------------
+
+    def effect_claim(
+        self,
+        run_id: str,
+        step_id: str,
+        attempt_id: str,
+        action_kind: str,
+        target_ref: str,
+        *,
+        payload: Any = None,
+        timeout_ms: int | None = None,
+        lease_ttl_ms: int | None = None,
+    ) -> Any:
+        """``{effect_key, status, attempt_id, lease_resource?, fencing_token?}``."""
+        return self.call(
+            "effect.claim",
+            _given(
+                run_id=run_id,
+                step_id=step_id,
+                attempt_id=attempt_id,
+                action_kind=action_kind,
+                target_ref=target_ref,
+                payload=payload,
+                timeout_ms=timeout_ms,
+                lease_ttl_ms=lease_ttl_ms,
+            ),
+        )
+
+    def effect_heartbeat(
+        self, effect_key: str, attempt_id: str, *, lease_ttl_ms: int | None = None
+    ) -> Any:
+        return self.call(
+            "effect.heartbeat",
+            _given(effect_key=effect_key, attempt_id=attempt_id, lease_ttl_ms=lease_ttl_ms),
+        )
+
+    def effect_commit(self, effect_key: str, attempt_id: str, receipt: Any = None) -> Any:
+        return self.call(
+            "effect.commit",
+            {"effect_key": effect_key, "attempt_id": attempt_id, "receipt": receipt},
+        )
+
+    def effect_abort(self, effect_key: str, attempt_id: str, reason: str | None = None) -> Any:
+        return self.call(
+            "effect.abort", _given(effect_key=effect_key, attempt_id=attempt_id, reason=reason)
+        )
+
+    def effect_fail(self, effect_key: str, attempt_id: str, error: Any = None) -> Any:
+        return self.call(
+            "effect.fail", {"effect_key": effect_key, "attempt_id": attempt_id, "error": error}
+        )
+
+    def effect_resolve(self, effect_key: str, outcome: str, receipt: Any = None) -> Any:
+        """Operator recovery of an ``uncertain`` effect: ``committed`` or ``aborted``."""
+        return self.call(
+            "effect.resolve", {"effect_key": effect_key, "outcome": outcome, "receipt": receipt}
+        )
+
+    def effect_get(self, effect_key: str) -> Any:
+        return self.call("effect.get", {"effect_key": effect_key})
+
+    def effect_list(self, run_id: str) -> Any:
+        return self.call("effect.list", {"run_id": run_id})
+
     # --- operator tools ------------------------------------------------------------------
 
     def backup(self, path: str, *, overwrite: bool = False) -> Any:

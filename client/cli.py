@@ -45,10 +45,11 @@ class UsageError(Exception):
 
 
 class Unhealthy(Exception):
-    """doctor found something wrong: print the report, exit 1."""
+    """An offline command's report says something failed (doctor found a problem, a
+    branch cleanup step failed): print the report as usual, exit 1."""
 
     def __init__(self, result: dict[str, Any]) -> None:
-        super().__init__("doctor found problems")
+        super().__init__("the report says something failed")
         self.result = result
 
 
@@ -198,6 +199,29 @@ def cmd_install_systemd(_client: None, args: argparse.Namespace) -> Any:
     return install_units(Path(args.dir) if args.dir else None, enable=args.enable)
 
 
+def cmd_branch_cleanup(_client: None, args: argparse.Namespace) -> Any:
+    from towerd.client.git_tools import GitError, cleanup_branch
+
+    if args.branch is None:
+        # Optional in the parser only so that every command parses with no arguments.
+        raise UsageError("branch cleanup: give the BRANCH to clean up")
+    if args.remote is not None and not args.delete_remote:
+        raise UsageError("branch cleanup: --remote only applies with --delete-remote")
+    try:
+        result = cleanup_branch(
+            args.repo,
+            args.branch,
+            keep_worktree=args.keep_worktree,
+            delete_remote=args.delete_remote,
+            remote=args.remote or "origin",
+        )
+    except (GitError, ValueError) as exc:
+        raise UsageError(f"branch cleanup: {exc}") from None
+    if not result["ok"]:
+        raise Unhealthy(result)
+    return result
+
+
 # --- output ------------------------------------------------------------------------------
 
 
@@ -307,6 +331,35 @@ def render_pong(_result: Any) -> str:
     return "pong"
 
 
+def render_branch_cleanup(result: dict[str, Any]) -> str:
+    """One line per step: what was done, found absent, skipped, or failed."""
+    errors = result["errors"]
+    lines = [f"branch {result['branch']} in {result['repo']}"]
+    if "worktree" in errors:
+        worktree = f"FAILED: {errors['worktree']}"
+    elif result["worktree_removed"]:
+        worktree = f"removed {result['worktree_removed']}"
+    elif result["worktree_kept"]:
+        worktree = f"kept {result['worktree_kept']}"
+    else:
+        worktree = "none has the branch checked out"
+    lines.append(f"  worktree: {worktree}")
+    if "local_branch" in errors:
+        local = f"FAILED: {errors['local_branch']}"
+    else:
+        local = "deleted" if result["local_branch_deleted"] else "not found"
+    lines.append(f"  local branch: {local}")
+    if result["remote"] is None:
+        lines.append("  remote branch: left alone (no --delete-remote)")
+    else:
+        if "remote_branch" in errors:
+            remote = f"FAILED: {errors['remote_branch']}"
+        else:
+            remote = "deleted" if result["remote_branch_deleted"] else "not found"
+        lines.append(f"  remote branch on {result['remote']}: {remote}")
+    return "\n".join(lines)
+
+
 def render_doctor(result: dict[str, Any]) -> str:
     from towerd.client.doctor import render as render_report
 
@@ -334,6 +387,7 @@ class _Formatter(argparse.HelpFormatter):
 COMMAND_PATHS = frozenset(
     {
         ("ping",), ("status",), ("shutdown",), ("backup",), ("doctor",), ("install-systemd",),
+        ("branch", "cleanup"),
         ("fleet", "list"), ("fleet", "get"), ("fleet", "import-legacy"), ("fleet", "adopt"),
         ("session", "register"), ("session", "update"), ("session", "remove"),
         ("idem", "claim"), ("idem", "complete"), ("idem", "release"), ("idem", "mark-unknown"),
@@ -567,6 +621,38 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
         help="also run systemctl --user daemon-reload and enable --now towerd.socket",
     )
     p.set_defaults(offline=True)
+
+    branch = command(commands, "branch", None, "git branches of runs (offline: no daemon)")
+    p = command(
+        branch,
+        "cleanup",
+        cmd_branch_cleanup,
+        "remove the worktree that has BRANCH checked out (uncommitted changes included) "
+        "and delete the branch; exit 1 if a step failed",
+        render_branch_cleanup,
+    )
+    p.add_argument(
+        "branch",
+        nargs="?",
+        default=None,
+        metavar="BRANCH",
+        help="the branch, e.g. kxm/run-42 (required)",
+    )
+    p.add_argument(
+        "--keep-worktree",
+        action="store_true",
+        help="leave the worktree (git then refuses to delete the branch checked out there)",
+    )
+    p.add_argument(
+        "--delete-remote", action="store_true", help="also delete the branch on the remote"
+    )
+    p.add_argument(
+        "--remote", default=None, metavar="NAME", help="with --delete-remote (default: origin)"
+    )
+    p.add_argument(
+        "--repo", default=".", metavar="PATH", help="any path in the repository (default: .)"
+    )
+    p.set_defaults(offline=True)
     return parser
 
 
@@ -592,7 +678,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             _json().dumps(exc.result, indent=2, default=_jsonable)
             if args.json
-            else render_doctor(exc.result)
+            else args.render(exc.result)
         )
         return EXIT_ERROR
     except TowerdError as exc:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from towerd.daemon.processes import holder_of
-from towerd.daemon.store import Store, fleet, idempotency, upkeep
+from towerd.daemon.store import Store, effects, fleet, idempotency, leases, upkeep
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.legacy import import_legacy
 from towerd.daemon.store.status import status_counts
@@ -40,7 +40,7 @@ class Caller:
     pid: int
     holder: Holder | None  # the peer process, as a key holder
     hello_done: bool = False
-    claimed: bool = False  # this connection claimed a key for its own process
+    claimed: bool = False  # this connection's process took a key, lease or effect
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class DaemonInfo:
     max_frame: int
     started_at: int
     started_monotonic: float
+    branch_prefix: str = "kxm/"  # run branches' prefix: a push to the run's own branch is unfenced
 
     @property
     def page_bytes(self) -> int:
@@ -91,6 +92,19 @@ class Handlers:
             "idem.get": self.idem_get,
             "idem.list": self.idem_list,
             "idem.resolve": self.idem_resolve,
+            "lease.acquire": self.lease_acquire,
+            "lease.renew": self.lease_renew,
+            "lease.release": self.lease_release,
+            "lease.get": self.lease_get,
+            "lease.list": self.lease_list,
+            "effect.claim": self.effect_claim,
+            "effect.heartbeat": self.effect_heartbeat,
+            "effect.commit": self.effect_commit,
+            "effect.abort": self.effect_abort,
+            "effect.fail": self.effect_fail,
+            "effect.resolve": self.effect_resolve,
+            "effect.get": self.effect_get,
+            "effect.list": self.effect_list,
             "backup": self.backup,
             "doctor": self.doctor,
         }
@@ -221,6 +235,91 @@ class Handlers:
             params.result,
         )
 
+    # --- leases ------------------------------------------------------------------------------
+
+    def lease_acquire(
+        self, caller: Caller, params: m.LeaseAcquireParams
+    ) -> Future[m.LeaseAcquireResult]:
+        return _holding(
+            caller,
+            self.store.write(
+                leases.acquire, caller.principal, caller.holder, params.resource, params.ttl_ms
+            ),
+        )
+
+    def lease_renew(
+        self, caller: Caller, params: m.LeaseRenewParams
+    ) -> Future[m.LeaseAcquireResult]:
+        return self.store.write(
+            leases.renew,
+            caller.principal,
+            caller.holder,
+            params.resource,
+            params.fencing_token,
+            params.ttl_ms,
+        )
+
+    def lease_release(
+        self, caller: Caller, params: m.LeaseTokenParams
+    ) -> Future[m.LeaseReleaseResult]:
+        return self.store.write(
+            leases.release, caller.principal, caller.holder, params.resource, params.fencing_token
+        )
+
+    def lease_get(self, caller: Caller, params: m.LeaseResourceParams) -> m.LeaseRecord:
+        return self.store.read_now(leases.get, params.resource)
+
+    async def lease_list(self, caller: Caller, params: m.Empty) -> m.LeaseListResult:
+        return m.LeaseListResult(leases=await self.store.read(leases.list_live))
+
+    # --- the effects ledger -------------------------------------------------------------------
+
+    def effect_claim(
+        self, caller: Caller, params: m.EffectClaimParams
+    ) -> Future[m.EffectClaimResult]:
+        return _holding(
+            caller,
+            self.store.write(
+                effects.claim, caller.principal, caller.holder, params, self.info.branch_prefix
+            ),
+        )
+
+    def effect_heartbeat(
+        self, caller: Caller, params: m.EffectAttemptParams
+    ) -> Future[m.EffectRecord]:
+        return self.store.write(
+            effects.heartbeat,
+            caller.principal,
+            caller.holder,
+            params.effect_key,
+            params.attempt_id,
+            params.lease_ttl_ms,
+        )
+
+    def effect_commit(self, caller: Caller, params: m.EffectCommitParams) -> Future[m.EffectRecord]:
+        return self.store.write(
+            effects.commit, caller.principal, params.effect_key, params.attempt_id, params.receipt
+        )
+
+    def effect_abort(self, caller: Caller, params: m.EffectAbortParams) -> Future[m.EffectRecord]:
+        return self.store.write(effects.abort, params.effect_key, params.attempt_id, params.reason)
+
+    def effect_fail(self, caller: Caller, params: m.EffectFailParams) -> Future[m.EffectRecord]:
+        return self.store.write(effects.fail, params.effect_key, params.attempt_id, params.error)
+
+    def effect_resolve(
+        self, caller: Caller, params: m.EffectResolveParams
+    ) -> Future[m.EffectRecord]:
+        return self.store.write(
+            effects.resolve, caller.principal, params.effect_key, params.outcome, params.receipt
+        )
+
+    def effect_get(self, caller: Caller, params: m.EffectKeyParams) -> m.EffectRecord:
+        return self.store.read_now(effects.get, params.effect_key)
+
+    async def effect_list(self, caller: Caller, params: m.EffectListParams) -> m.EffectListResult:
+        return m.EffectListResult(effects=await self.store.read(effects.list_run, params.run_id))
+
     # --- operator tools -----------------------------------------------------------------
 
     async def backup(self, caller: Caller, params: m.BackupParams) -> m.BackupResult:
@@ -238,3 +337,15 @@ def _note_own_claim(caller: Caller, claimed: Future[Any]) -> None:
     if not claimed.cancelled() and claimed.exception() is None:
         if claimed.result().state == "claimed":
             caller.claimed = True
+
+
+def _holding(caller: Caller, granted: Future[Any]) -> Future[Any]:
+    """A lease or effect granted to this connection's process: its disconnect triggers a
+    liveness sweep, so a killed holder's lease is released at once."""
+
+    def note(done: Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            caller.claimed = True
+
+    granted.add_done_callback(note)
+    return granted

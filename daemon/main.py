@@ -58,6 +58,7 @@ class DaemonConfig:
     frame_timeout: float = 10.0
     send_timeout: float = 10.0
     log_level: str = "info"
+    branch_prefix: str = "kxm/"
 
 
 class StopRequest:
@@ -133,6 +134,7 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
             max_frame=config.max_frame,
             started_at=now_ms(),
             started_monotonic=time.monotonic(),
+            branch_prefix=config.branch_prefix,
         ),
         request_shutdown=stop.request,
     )
@@ -284,6 +286,11 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         help="a peer that does not read its replies this long is dropped",
     )
     parser.add_argument(
+        "--branch-prefix",
+        default="kxm/",
+        help="prefix of run branches: a push to the run's own branch needs no lease (kxm/)",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -306,6 +313,7 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         frame_timeout=args.frame_timeout,
         send_timeout=args.send_timeout,
         log_level=args.log_level,
+        branch_prefix=args.branch_prefix,
     )
     return config, args
 

@@ -1,5 +1,6 @@
-"""Background upkeep: dead holders' keys become unknown; old completed keys expire;
-the WAL is truncated when it has grown.
+"""Background upkeep: what dead processes held is settled (keys unknown or completed
+from evidence, leases released, shared effects parked); silent effects are parked;
+old completed keys expire; the WAL is truncated when it has grown.
 
 A key's holder is a process (pid + start time), not a connection: a claim
 whose connection closed while its holder lives stays ``in_progress``. The
@@ -14,9 +15,8 @@ import anyio
 import structlog
 
 from towerd.daemon.processes import is_alive
-from towerd.daemon.store import Store, idempotency, upkeep
+from towerd.daemon.store import Store, idempotency, liveness, upkeep
 from towerd.daemon.store.idempotency import Holder
-from towerd.daemon.store.reconcile import settle_dead_holders
 
 log = structlog.get_logger("towerd.maintenance")
 
@@ -39,12 +39,12 @@ class HolderSweep:
             await self.sweep_once()
 
     async def sweep_once(self) -> int:
-        holders = await self.store.read(idempotency.live_holders)
+        holders, silent = await self.store.read(liveness.to_check)
         dead = [holder for holder in holders if not is_alive(holder)]
-        if not dead:
-            return 0
-        report = await self.store.write(settle_dead_holders, dead)
-        for principal, operation, key in report.unknown:
+        if not dead and not silent:
+            return 0  # nothing to write: no commit, no fsync
+        report = await self.store.write(liveness.settle, dead)
+        for principal, operation, key in report.keys_unknown:
             log.warning(
                 "holder_died",
                 code="outcome_unknown",
@@ -52,9 +52,18 @@ class HolderSweep:
                 operation=operation,
                 key=key,
             )
-        for principal, operation, key in report.completed:
+        for principal, operation, key in report.keys_completed:
             log.info("holder_died_after_effect", principal=principal, operation=operation, key=key)
-        return len(report.unknown) + len(report.completed)
+        for resource in report.leases_released:
+            log.info("lease_released_holder_died", resource=resource)
+        for effect_key in report.effects_parked:
+            log.warning("effect_parked", code="effect_uncertain", effect_key=effect_key)
+        return (
+            len(report.keys_unknown)
+            + len(report.keys_completed)
+            + len(report.leases_released)
+            + len(report.effects_parked)
+        )
 
 
 async def expire_periodically(store: Store, interval: float) -> None:

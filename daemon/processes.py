@@ -11,9 +11,16 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from towerd.daemon.store.idempotency import Holder
-
 _PEERCRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """The process that holds a key, a lease or an effect: pid plus start time, so a
+    reused pid is not it."""
+
+    pid: int
+    start: int
 
 
 @dataclass(frozen=True, slots=True)

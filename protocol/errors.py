@@ -126,6 +126,75 @@ class Internal(TowerdError):
     code = "internal"
 
 
+# --- leases and the effects ledger --------------------------------------------------
+
+
+class LeaseHeld(TowerdError):
+    """Another holder has a live lease on the resource; ``data`` is that lease."""
+
+    code = "lease_held"
+
+
+class LeaseSuperseded(TowerdError):
+    """The lease now has another holder or token: yours is gone for good."""
+
+    code = "lease_superseded"
+
+
+class LeaseExpired(TowerdError):
+    """Your lease's deadline passed; it is never resurrected under the old token."""
+
+    code = "lease_expired"
+
+
+class LeaseNotFound(TowerdError):
+    code = "lease_not_found"
+
+
+class StaleLease(TowerdError):
+    """A fenced operation presented a lease that is not current."""
+
+    code = "stale_lease"
+
+
+class EffectAlreadyCommitted(TowerdError):
+    """The effect happened; ``data.receipt`` says how. Never run it again."""
+
+    code = "effect_already_committed"
+
+
+class EffectInFlight(TowerdError):
+    code = "effect_in_flight"
+
+
+class EffectUncertain(TowerdError):
+    """The effect may have happened; it waits for ``effect.resolve``."""
+
+    code = "effect_uncertain"
+
+
+class EffectLeaseHeld(TowerdError):
+    """Another holder has the target's lease; nothing was recorded."""
+
+    code = "effect_lease_held"
+
+
+class EffectLeaseSuperseded(TowerdError):
+    """Someone took the target's lease over; the effect is parked uncertain."""
+
+    code = "effect_lease_superseded"
+
+
+class EffectAttemptSuperseded(TowerdError):
+    """A newer attempt owns the effect; this one changed nothing."""
+
+    code = "effect_attempt_superseded"
+
+
+class EffectNotFound(TowerdError):
+    code = "effect_not_found"
+
+
 _CLASSES: dict[str, type[TowerdError]] = {
     cls.code: cls
     for cls in (
@@ -145,6 +214,18 @@ _CLASSES: dict[str, type[TowerdError]] = {
         StorageFull,
         Unavailable,
         Internal,
+        LeaseHeld,
+        LeaseSuperseded,
+        LeaseExpired,
+        LeaseNotFound,
+        StaleLease,
+        EffectAlreadyCommitted,
+        EffectInFlight,
+        EffectUncertain,
+        EffectLeaseHeld,
+        EffectLeaseSuperseded,
+        EffectAttemptSuperseded,
+        EffectNotFound,
     )
 }
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from towerd.daemon.processes import Holder
 from towerd.daemon.store.tx import PAGE_BYTES, Tx, pack, pack_canonical, take_page, unpack
 from towerd.protocol.errors import (
     Conflict,
@@ -38,14 +39,6 @@ from towerd.protocol.methods import (
 IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
 OUTCOME_UNKNOWN = "outcome_unknown"
-
-
-@dataclass(frozen=True, slots=True)
-class Holder:
-    """The process that claimed a key: pid plus start time, so a reused pid is not it."""
-
-    pid: int
-    start: int
 
 
 def payload_hash(payload: Any) -> bytes:

@@ -6,7 +6,8 @@ was held across a daemon that stopped, so its outcome is unknown; then every
 a key whose effect left evidence completes with a result rebuilt from it.
 Probes run over all unknown keys, so a probe added later also settles older
 keys. The same probes settle the keys of a claimant that died while the
-daemon kept running (``settle_dead_holders``).
+daemon kept running (``settle_dead_holders``). A key whose effect_ref is an
+effect key (``eff_...``) completes once that effect is committed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from towerd.daemon.crashpoints import crash_point
+from towerd.daemon.store import effects
 from towerd.daemon.store.idempotency import (
     COMPLETED,
     Holder,
@@ -120,6 +122,8 @@ def settle(tx: Tx, keys: list[tuple[int, str, str]]) -> set[int]:
     completed = set()
     for rowid, operation, effect_ref in keys:
         probe = EVIDENCE_PROBES.get(operation)
+        if probe is None and effect_ref.startswith("eff_"):
+            probe = effects.committed_evidence  # the key fronted an external effect
         result = None if probe is None else probe(tx, effect_ref)
         if result is None:
             continue

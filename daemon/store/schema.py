@@ -19,7 +19,7 @@ from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import StartRefused
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,54 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX idempotency_by_principal_state ON idempotency (principal, state)",
         ),
     ),
+    Migration(
+        3,
+        "fenced leases and the external-effects ledger",
+        (
+            """CREATE TABLE leases (
+                resource TEXT PRIMARY KEY,
+                fencing_token INTEGER NOT NULL,
+                principal TEXT NOT NULL,
+                holder_pid INTEGER,
+                holder_start INTEGER,
+                acquired_at INTEGER NOT NULL,
+                renewed_at INTEGER NOT NULL,
+                expires_at INTEGER NOT NULL,
+                daemon_id TEXT NOT NULL
+            ) STRICT""",
+            # The last token ever issued per resource: outlives its lease, so a token
+            # is never issued twice (not after a release, an expiry or a restart).
+            """CREATE TABLE lease_tokens (
+                resource TEXT PRIMARY KEY,
+                last_token INTEGER NOT NULL
+            ) STRICT""",
+            """CREATE TABLE effects (
+                effect_key TEXT PRIMARY KEY,
+                run_id TEXT NOT NULL,
+                step_id TEXT NOT NULL,
+                attempt_id TEXT NOT NULL,
+                action_kind TEXT NOT NULL CHECK (action_kind IN ('git-branch', 'git-commit',
+                    'git-push', 'pr-create', 'tracker-issue', 'webhook')),
+                target_ref TEXT NOT NULL,
+                status TEXT NOT NULL CHECK (status IN ('in_flight', 'committed', 'failed',
+                    'aborted', 'uncertain')),
+                payload_hash BLOB NOT NULL,
+                receipt BLOB,
+                principal TEXT NOT NULL,
+                holder_pid INTEGER,
+                holder_start INTEGER,
+                timeout_ms INTEGER NOT NULL,
+                claimed_at INTEGER NOT NULL,
+                heartbeat_at INTEGER NOT NULL,
+                completed_at INTEGER,
+                lease_resource TEXT,
+                fencing_token INTEGER,
+                daemon_id TEXT NOT NULL
+            ) STRICT""",
+            "CREATE INDEX effects_by_run ON effects (run_id)",
+            "CREATE INDEX effects_in_flight ON effects (status) WHERE status = 'in_flight'",
+        ),
+    ),
 )
 
 assert [m.version for m in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1))
@@ -128,7 +176,10 @@ def check_header(conn: sqlite3.Connection, db_path: Path) -> int:
             )
         ]
     except sqlite3.DatabaseError as exc:
-        raise StartRefused(f"{db_path}: not a readable SQLite database ({exc})") from None
+        raise StartRefused(
+            f"{db_path}: damaged or not a SQLite database: reading its schema failed ({exc}); "
+            f"PRAGMA quick_check: {_quick_check_outcome(conn)}"
+        ) from None
     if application_id == 0:
         if version != 0 or tables:
             raise StartRefused(
@@ -145,6 +196,13 @@ def check_header(conn: sqlite3.Connection, db_path: Path) -> int:
             "made for this version"
         )
     return version
+
+
+def _quick_check_outcome(conn: sqlite3.Connection) -> str:
+    try:
+        return "; ".join(row[0] for row in conn.execute("PRAGMA quick_check").fetchmany(5))
+    except sqlite3.DatabaseError as exc:
+        return f"failed ({exc})"
 
 
 def check_integrity(conn: sqlite3.Connection, db_path: Path) -> None:

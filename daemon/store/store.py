@@ -29,7 +29,7 @@ from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import check_private, ensure_private_dir
 from towerd.daemon.store import schema
 from towerd.daemon.store.reconcile import start_daemon
-from towerd.daemon.store.tx import Tx, now_ms, translate_sqlite_error
+from towerd.daemon.store.tx import Refused, Tx, now_ms, translate_sqlite_error
 from towerd.protocol.errors import StaleEpoch, Unavailable
 from towerd.protocol.methods import ReconcileReport
 
@@ -199,6 +199,8 @@ class Store:
                     continue  # its caller went away; the write stands
                 if job.error is not None:
                     job.future.set_exception(_as_wire_error(job.error))
+                elif isinstance(job.result, Refused):
+                    job.future.set_exception(job.result.error)  # its writes committed
                 else:
                     job.future.set_result(job.result)
             if self._superseded:

@@ -26,6 +26,15 @@ class Tx:
     now: int
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Returned (not raised) by a store function whose writes must commit although
+    its caller is answered an error: parking an effect ``uncertain`` is such a write.
+    A raised error would roll the request's writes back."""
+
+    error: TowerdError
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 

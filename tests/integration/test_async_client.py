@@ -38,7 +38,7 @@ async def test_hello_ping_status(daemon):
         assert c.hello["protocol"] == 1
         assert c.hello["principal"] == f"uid:{UID}:svc"
         assert c.hello["server"] == {"name": "towerd", "version": "0.1.0"}
-        assert c.hello["features"] == ["fleet", "idempotency", "pipelining", "paging"]
+        assert {"fleet", "idempotency", "leases", "effects"} <= set(c.hello["features"])
         assert c.hello["max_frame"] == 1024 * 1024
         pong = await c.ping()
         assert pong["pong"] is True and isinstance(pong["now"], int)

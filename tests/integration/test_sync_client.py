@@ -95,7 +95,9 @@ def test_hello_result_fields(daemon):
     assert hello["protocol"] == 1
     assert hello["server"] == {"name": "towerd", "version": "0.1.0"}
     assert hello["max_frame"] == 1024 * 1024
-    assert hello["features"] == ["fleet", "idempotency", "pipelining", "paging"]
+    assert {"fleet", "idempotency", "pipelining", "paging", "leases", "effects"} <= set(
+        hello["features"]
+    )
     assert hello["principal"] == f"uid:{UID}:default"
 
 
@@ -764,7 +766,7 @@ def test_one_exception_class_per_code():
         assert isinstance(error, TowerdError)
         assert getattr(client_module, type(error).__name__) is type(error)
         classes[code] = type(error)
-    assert len(set(classes.values())) == len(ERROR_CODES) == 16
+    assert len(set(classes.values())) == len(ERROR_CODES) == 28
     unknown = error_for_code("from_the_future", "newer daemon", {"x": 1})
     assert type(unknown) is Internal
     assert unknown.data == {"x": 1, "code": "from_the_future"}

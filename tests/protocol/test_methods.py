@@ -35,8 +35,9 @@ def build(info: mi.Type, salt: int = 0) -> Any:
         return build(non_null[0], salt) if non_null else None
     if isinstance(info, mi.StrType):
         if info.pattern is not None:
-            assert info.pattern == m.UUID_PATTERN, info.pattern
-            return SAMPLE_UUID
+            samples = {m.UUID_PATTERN: SAMPLE_UUID, "^eff_[0-9a-f]{16}$": "eff_0123456789abcdef"}
+            assert info.pattern in samples, info.pattern
+            return samples[info.pattern]
         text = f"/s{salt}"  # a leading slash also makes it a valid absolute path
         if info.max_length is not None:
             text = text[: info.max_length]
@@ -123,6 +124,15 @@ def test_method_table_is_closed_and_consistent() -> None:
         "idem.release",
         "idem.mark_unknown",
         "idem.resolve",
+        "lease.acquire",
+        "lease.renew",
+        "lease.release",
+        "effect.claim",
+        "effect.heartbeat",
+        "effect.commit",
+        "effect.abort",
+        "effect.fail",
+        "effect.resolve",
     }
 
 

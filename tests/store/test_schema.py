@@ -348,11 +348,12 @@ async def test_misshapen_rollback_journal_database_is_refused_untouched(
     assert sha256(db_path(short_tmp)) == before
 
 
-async def test_a_version_1_database_climbs_to_version_2(
+async def test_a_version_1_database_climbs_the_whole_ladder(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The real ladder: a file made by the version-1 code is backed up, gains the
-    principal indexes, keeps its rows and keys, and the backup is a sound v1 file."""
+    """The real ladder: a file made by the version-1 code is backed up, climbs every
+    step (principal indexes, the lease and effect tables), keeps its rows, and the
+    backup is a sound v1 file."""
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
     monkeypatch.setattr(schema, "SCHEMA_VERSION", 1)
     await populated(short_tmp, rows=4)
@@ -363,11 +364,15 @@ async def test_a_version_1_database_climbs_to_version_2(
             len(await store.read(lambda tx: tx.conn.execute("SELECT * FROM sessions").fetchall()))
             == 4
         )
-    assert query(short_tmp, "PRAGMA user_version") == [(2,)]
+    assert query(short_tmp, "PRAGMA user_version") == [(schema.SCHEMA_VERSION,)]
     indexes = {
         row[0] for row in query(short_tmp, "SELECT name FROM sqlite_master WHERE type='index'")
     }
     assert {"idempotency_by_principal", "idempotency_by_principal_state"} <= indexes
+    tables = {
+        row[0] for row in query(short_tmp, "SELECT name FROM sqlite_master WHERE type='table'")
+    }
+    assert {"leases", "lease_tokens", "effects"} <= tables
     (backup,) = (state_dir(short_tmp) / "backups").iterdir()
     assert backup.name.startswith("towerd-v1-")
     with closing(sqlite3.connect(backup)) as old:

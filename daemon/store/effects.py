@@ -1,0 +1,383 @@
+"""The external-effects ledger: pushes, pull requests, tracker issues, webhooks.
+
+An effect is keyed by what it does (run, step, kind, target), so two attempts at
+the same effect meet on one row. Claiming is one transaction: the ledger is
+consulted first (a committed effect is never claimed again, whoever holds its
+target), then, for kinds whose target is shared with other runs, the target's
+lease is taken, then the row is written with the lease's fencing token. A commit
+is accepted only while that token is still the newest for the target; once
+another holder has a newer one, the effect parks ``uncertain`` (it may have
+touched the world) until an operator resolves it.
+
+Fixes over the reference ledger: claim is one transaction (two claimers cannot
+both win); abort and fail are guarded by status and attempt like commit; a
+stale in-flight effect is parked, never silently re-armed, unless its kind is
+local and safe to redo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from towerd.daemon.processes import is_alive
+from towerd.daemon.store import leases
+from towerd.daemon.store.idempotency import Holder, log_operator_action, payload_hash
+from towerd.daemon.store.tx import Refused, Tx, pack, unpack
+from towerd.protocol import naming
+from towerd.protocol.errors import (
+    EffectAlreadyCommitted,
+    EffectAttemptSuperseded,
+    EffectInFlight,
+    EffectLeaseHeld,
+    EffectLeaseSuperseded,
+    EffectNotFound,
+    EffectUncertain,
+    IdempotencyConflict,
+    LeaseHeld,
+    TowerdError,
+)
+from towerd.protocol.methods import EffectClaimParams, EffectClaimResult, EffectRecord
+
+LOCAL_KINDS = frozenset(naming.LOCAL_KINDS)  # this run's own namespace: safe to redo
+
+_COLUMNS = (
+    "effect_key, run_id, step_id, attempt_id, action_kind, target_ref, status, payload_hash, "
+    "receipt, claimed_at, heartbeat_at, completed_at, timeout_ms, lease_resource, "
+    "fencing_token, holder_pid, principal, holder_start"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Effect:
+    record: EffectRecord
+    principal: str
+    holder: Holder | None
+    digest: bytes
+
+
+def _load(tx: Tx, key: str) -> _Effect | None:
+    row = tx.conn.execute(f"SELECT {_COLUMNS} FROM effects WHERE effect_key = ?", (key,)).fetchone()
+    if row is None:
+        return None
+    (key, run, step, attempt, kind, target, status, digest, receipt, claimed, beat, completed,
+     timeout, resource, token, pid, principal, start) = row  # fmt: skip
+    record = EffectRecord(
+        effect_key=key,
+        run_id=run,
+        step_id=step,
+        attempt_id=attempt,
+        action_kind=kind,
+        target_ref=target,
+        status=status,
+        payload_hash=digest.hex(),
+        receipt=unpack(receipt),
+        claimed_at=claimed,
+        heartbeat_at=beat,
+        completed_at=completed,
+        timeout_ms=timeout,
+        lease_resource=resource,
+        fencing_token=token,
+        holder_pid=pid,
+    )
+    holder = None if pid is None or start is None else Holder(pid, start)
+    return _Effect(record, principal, holder, digest)
+
+
+def _require(tx: Tx, key: str) -> _Effect:
+    effect = _load(tx, key)
+    if effect is None:
+        raise EffectNotFound(f"no effect {key}", {"effect_key": key})
+    return effect
+
+
+def _data(record: EffectRecord) -> dict[str, Any]:
+    return {"effect": {name: getattr(record, name) for name in record.__struct_fields__}}
+
+
+def _set(tx: Tx, key: str, **columns: Any) -> None:
+    assignments = ", ".join(f"{name} = ?" for name in columns)
+    tx.conn.execute(
+        f"UPDATE effects SET {assignments} WHERE effect_key = ?", (*columns.values(), key)
+    )
+
+
+def _stale(effect: _Effect, now: int) -> bool:
+    record = effect.record
+    if record.heartbeat_at + record.timeout_ms <= now:
+        return True
+    return effect.holder is not None and not is_alive(effect.holder)
+
+
+def _park_uncertain(tx: Tx, effect: _Effect, error: TowerdError) -> Refused:
+    _set(tx, effect.record.effect_key, status="uncertain")
+    return Refused(error)
+
+
+def _refuse_settled(effect: _Effect) -> None:
+    """Answer anyone who meets an effect that is no longer in flight."""
+    record = effect.record
+    if record.status == "committed":
+        raise EffectAlreadyCommitted(
+            f"{record.action_kind} on {record.target_ref} was already committed "
+            f"({record.effect_key}); it is never run again",
+            _data(record),
+        )
+    if record.status == "uncertain":
+        raise EffectUncertain(
+            f"{record.action_kind} on {record.target_ref} ({record.effect_key}) may or may not "
+            "have happened; it waits for effect.resolve",
+            _data(record),
+        )
+
+
+# --- claim ------------------------------------------------------------------------------
+
+
+def claim(
+    tx: Tx,
+    principal: str,
+    holder: Holder | None,
+    params: EffectClaimParams,
+    prefix: str = naming.DEFAULT_PREFIX,
+) -> EffectClaimResult | Refused:
+    key = naming.effect_key(params.run_id, params.step_id, params.action_kind, params.target_ref)
+    digest = payload_hash(params.payload)
+    existing = _load(tx, key)
+    if existing is not None:
+        record = existing.record
+        _refuse_settled(existing)
+        if existing.digest != digest:
+            raise IdempotencyConflict(
+                f"effect {key} was claimed with a different payload",
+                {"effect_key": key, "status": record.status},
+            )
+        if record.status == "in_flight":
+            if record.attempt_id == params.attempt_id and existing.holder == holder:
+                return _claimed(tx, record)  # the same claim again: its answer was lost
+            if not _stale(existing, tx.now):
+                raise EffectInFlight(
+                    f"{record.action_kind} on {record.target_ref} is being executed by attempt "
+                    f"{record.attempt_id}",
+                    _data(record),
+                )
+            if record.action_kind not in LOCAL_KINDS:
+                return _park_uncertain(
+                    tx,
+                    existing,
+                    EffectUncertain(
+                        f"attempt {record.attempt_id} of {record.action_kind} on "
+                        f"{record.target_ref} went silent (no heartbeat, or its process died); "
+                        "it may have happened, so it is parked for effect.resolve",
+                        _data(msgspec.structs.replace(record, status="uncertain")),
+                    ),
+                )
+            # A local effect (this run's own branch or commit) is safe to take over.
+        # failed / aborted / a stale local effect: a new attempt runs it afresh.
+    resource = token = lease_expires = None
+    if naming.effect_requires_lease(params.action_kind, params.target_ref, params.run_id, prefix):
+        try:
+            granted = leases.acquire(tx, principal, holder, params.target_ref, params.lease_ttl_ms)
+        except LeaseHeld as exc:
+            raise EffectLeaseHeld(
+                f"{params.target_ref} is leased by another holder; nothing was recorded",
+                exc.data,
+            ) from None
+        resource, token, lease_expires = granted.resource, granted.fencing_token, granted.expires_at
+    tx.conn.execute(
+        f"""INSERT OR REPLACE INTO effects ({_COLUMNS}, daemon_id)
+            VALUES (?, ?, ?, ?, ?, ?, 'in_flight', ?, NULL, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?)""",
+        (
+            key,
+            params.run_id,
+            params.step_id,
+            params.attempt_id,
+            params.action_kind,
+            params.target_ref,
+            digest,
+            tx.now,
+            tx.now,
+            params.timeout_ms,
+            resource,
+            token,
+            holder.pid if holder else None,
+            principal,
+            holder.start if holder else None,
+            tx.daemon_id,
+        ),
+    )
+    return EffectClaimResult(
+        effect_key=key,
+        status="in_flight",
+        attempt_id=params.attempt_id,
+        lease_resource=resource,
+        fencing_token=token,
+        lease_expires_at=lease_expires,
+    )
+
+
+def _claimed(tx: Tx, record: EffectRecord) -> EffectClaimResult:
+    lease = leases.load(tx, record.lease_resource) if record.lease_resource else None
+    return EffectClaimResult(
+        effect_key=record.effect_key,
+        status="in_flight",
+        attempt_id=record.attempt_id,
+        lease_resource=record.lease_resource,
+        fencing_token=record.fencing_token,
+        lease_expires_at=lease.expires_at if lease else None,
+    )
+
+
+# --- the attempt's own calls ------------------------------------------------------------
+
+
+def _require_attempt(tx: Tx, key: str, attempt_id: str) -> _Effect:
+    effect = _require(tx, key)
+    _refuse_settled(effect)
+    record = effect.record
+    if record.status != "in_flight" or record.attempt_id != attempt_id:
+        raise EffectAttemptSuperseded(
+            f"attempt {attempt_id} does not own {key} (it is {record.status} under attempt "
+            f"{record.attempt_id}); nothing was changed",
+            _data(record),
+        )
+    return effect
+
+
+def _fence_lost(tx: Tx, effect: _Effect) -> Refused | None:
+    """For a fenced effect: None while its token is still the newest for the target,
+    else the effect parked uncertain with ``effect_lease_superseded``."""
+    record = effect.record
+    if record.lease_resource is None or record.fencing_token is None:
+        return None
+    newest = leases.last_token(tx, record.lease_resource)
+    if newest == record.fencing_token:
+        return None
+    return _park_uncertain(
+        tx,
+        effect,
+        EffectLeaseSuperseded(
+            f"the lease on {record.target_ref} moved on to token {newest} (this effect holds "
+            f"{record.fencing_token}); the effect is parked uncertain for effect.resolve",
+            _data(msgspec.structs.replace(record, status="uncertain")),
+        ),
+    )
+
+
+def heartbeat(
+    tx: Tx, principal: str, holder: Holder | None, key: str, attempt_id: str, lease_ttl_ms: int
+) -> EffectRecord | Refused:
+    effect = _require_attempt(tx, key, attempt_id)
+    lost = _fence_lost(tx, effect)
+    if lost is not None:
+        return lost
+    record = effect.record
+    if record.lease_resource is not None and record.fencing_token is not None:
+        current = leases.load(tx, record.lease_resource)
+        leases.extend(tx, current, record.lease_resource, record.fencing_token, principal,
+                      holder, lease_ttl_ms)  # fmt: skip
+    _set(tx, key, heartbeat_at=tx.now)
+    return msgspec.structs.replace(record, heartbeat_at=tx.now)
+
+
+def _finish(tx: Tx, effect: _Effect, status: str, receipt: Any) -> EffectRecord:
+    record = effect.record
+    _set(tx, record.effect_key, status=status, receipt=pack(receipt), completed_at=tx.now)
+    if record.lease_resource is not None and record.fencing_token is not None:
+        leases.drop(tx, record.lease_resource, record.fencing_token)
+    return msgspec.structs.replace(
+        record, status=status, receipt=unpack(pack(receipt)), completed_at=tx.now
+    )
+
+
+def commit(
+    tx: Tx, principal: str, key: str, attempt_id: str, receipt: Any
+) -> EffectRecord | Refused:
+    effect = _require(tx, key)
+    record = effect.record
+    if record.status == "committed" and record.attempt_id == attempt_id:
+        return record  # the same commit again: its answer was lost
+    effect = _require_attempt(tx, key, attempt_id)
+    lost = _fence_lost(tx, effect)
+    if lost is not None:
+        return lost
+    return _finish(tx, effect, "committed", receipt)
+
+
+def abort(tx: Tx, key: str, attempt_id: str, reason: str | None) -> EffectRecord:
+    """The effect did not happen: the row says so and its lease goes back."""
+    effect = _require_attempt(tx, key, attempt_id)
+    return _finish(tx, effect, "aborted", {"reason": reason})
+
+
+def fail(tx: Tx, key: str, attempt_id: str, error: Any) -> EffectRecord:
+    effect = _require_attempt(tx, key, attempt_id)
+    return _finish(tx, effect, "failed", {"error": error})
+
+
+def resolve(tx: Tx, principal: str, key: str, outcome: str, receipt: Any) -> EffectRecord:
+    """An operator's decision about an uncertain effect, in the operator log."""
+    effect = _require(tx, key)
+    record = effect.record
+    if record.status != "uncertain":
+        raise EffectAttemptSuperseded(
+            f"{key} is {record.status}; only an uncertain effect is resolved",
+            _data(record),
+        )
+    settled = _finish(tx, effect, outcome, receipt)
+    log_operator_action(tx, principal, "effect.resolve", {"effect_key": key, "outcome": outcome})
+    return settled
+
+
+# --- reads and upkeep ---------------------------------------------------------------------
+
+
+def get(tx: Tx, key: str) -> EffectRecord:
+    return _require(tx, key).record
+
+
+def list_run(tx: Tx, run_id: str) -> list[EffectRecord]:
+    keys = tx.conn.execute(
+        "SELECT effect_key FROM effects WHERE run_id = ? ORDER BY claimed_at, rowid", (run_id,)
+    ).fetchall()
+    return [_require(tx, key).record for (key,) in keys]
+
+
+def holders(tx: Tx) -> list[Holder]:
+    return [
+        Holder(pid, start)
+        for pid, start in tx.conn.execute(
+            """SELECT DISTINCT holder_pid, holder_start FROM effects
+               WHERE status = 'in_flight' AND holder_pid IS NOT NULL"""
+        )
+    ]
+
+
+def park_stale(tx: Tx, dead: Iterable[Holder] = ()) -> list[str]:
+    """In-flight effects that went silent (no heartbeat within their timeout) or whose
+    process died become ``uncertain``; local kinds stay, for a new attempt to take."""
+    dead_set = set(dead)
+    parked = []
+    rows = tx.conn.execute(
+        """SELECT effect_key, action_kind, holder_pid, holder_start, heartbeat_at, timeout_ms
+           FROM effects WHERE status = 'in_flight'"""
+    ).fetchall()
+    for key, kind, pid, start, beat, timeout in rows:
+        silent = beat + timeout <= tx.now
+        died = pid is not None and start is not None and Holder(pid, start) in dead_set
+        if (silent or died) and kind not in LOCAL_KINDS:
+            _set(tx, key, status="uncertain")
+            parked.append(key)
+    return parked
+
+
+def committed_evidence(tx: Tx, effect_ref: str) -> dict[str, Any] | None:
+    """Evidence for an idempotency key whose effect_ref is an effect key: its receipt,
+    once the effect is committed."""
+    effect = _load(tx, effect_ref)
+    if effect is None or effect.record.status != "committed":
+        return None
+    return {"effect_key": effect_ref, "receipt": effect.record.receipt}

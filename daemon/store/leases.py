@@ -1,0 +1,253 @@
+"""Fenced leases: one holder per resource at a time, on the daemon's clock.
+
+A holder is a principal plus the process (pid and start time) that acquired
+the lease; its connections may come and go. Every grant takes the next
+fencing token for the resource from ``lease_tokens``, which outlives the
+lease itself, so a token is never issued twice: not after a release, an
+expiry, or a daemon restart (the grant and the counter commit together, and
+nobody hears of a token before that commit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from towerd.daemon.processes import is_alive
+from towerd.daemon.store.idempotency import Holder
+from towerd.daemon.store.tx import Tx
+from towerd.protocol.errors import LeaseExpired, LeaseHeld, LeaseNotFound, LeaseSuperseded
+from towerd.protocol.methods import LeaseAcquireResult, LeaseRecord, LeaseReleaseResult
+
+_COLUMNS = (
+    "resource, fencing_token, principal, holder_pid, holder_start, acquired_at, renewed_at, "
+    "expires_at"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    resource: str
+    token: int
+    principal: str
+    holder: Holder | None
+    acquired_at: int
+    renewed_at: int
+    expires_at: int
+
+    def held_by(self, principal: str, holder: Holder | None) -> bool:
+        return self.principal == principal and self.holder == holder
+
+    def live(self, now: int) -> bool:
+        """Before its deadline, and (when it has one) its holder process still runs."""
+        return self.expires_at > now and (self.holder is None or is_alive(self.holder))
+
+    def record(self, now: int) -> LeaseRecord:
+        return LeaseRecord(
+            resource=self.resource,
+            fencing_token=self.token,
+            expires_at=self.expires_at,
+            holder=describe_holder(self.principal, self.holder),
+            holder_pid=self.holder.pid if self.holder else None,
+            acquired_at=self.acquired_at,
+            renewed_at=self.renewed_at,
+            live=self.live(now),
+        )
+
+
+def describe_holder(principal: str, holder: Holder | None) -> str:
+    return f"{principal} pid {holder.pid}" if holder else principal
+
+
+def load(tx: Tx, resource: str) -> Lease | None:
+    row = tx.conn.execute(
+        f"SELECT {_COLUMNS} FROM leases WHERE resource = ?", (resource,)
+    ).fetchone()
+    if row is None:
+        return None
+    resource, token, principal, pid, start, acquired, renewed, expires = row
+    holder = None if pid is None or start is None else Holder(pid, start)
+    return Lease(resource, token, principal, holder, acquired, renewed, expires)
+
+
+def last_token(tx: Tx, resource: str) -> int:
+    row = tx.conn.execute(
+        "SELECT last_token FROM lease_tokens WHERE resource = ?", (resource,)
+    ).fetchone()
+    return 0 if row is None else row[0]
+
+
+def _issue_token(tx: Tx, resource: str) -> int:
+    token = last_token(tx, resource) + 1
+    tx.conn.execute(
+        """INSERT INTO lease_tokens (resource, last_token) VALUES (?, ?)
+           ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token""",
+        (resource, token),
+    )
+    return token
+
+
+def _held_error(lease: Lease, now: int) -> LeaseHeld:
+    return LeaseHeld(
+        f"{lease.resource} is leased to {describe_holder(lease.principal, lease.holder)} "
+        f"(token {lease.token}) until {lease.expires_at}",
+        {"lease": _as_dict(lease.record(now))},
+    )
+
+
+def _as_dict(record: LeaseRecord) -> dict[str, object]:
+    return {name: getattr(record, name) for name in record.__struct_fields__}
+
+
+def acquire(
+    tx: Tx, principal: str, holder: Holder | None, resource: str, ttl_ms: int
+) -> LeaseAcquireResult:
+    """Grant the lease, or extend it (same token) for its current holder."""
+    current = load(tx, resource)
+    expires_at = tx.now + ttl_ms
+    if current is not None and current.live(tx.now):
+        if not current.held_by(principal, holder):
+            raise _held_error(current, tx.now)
+        tx.conn.execute(
+            "UPDATE leases SET renewed_at = ?, expires_at = ? WHERE resource = ?",
+            (tx.now, expires_at, resource),
+        )
+        return LeaseAcquireResult(
+            resource, current.token, expires_at, describe_holder(principal, holder), True
+        )
+    token = _issue_token(tx, resource)
+    tx.conn.execute(
+        f"""INSERT OR REPLACE INTO leases ({_COLUMNS}, daemon_id)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+        (
+            resource,
+            token,
+            principal,
+            holder.pid if holder else None,
+            holder.start if holder else None,
+            tx.now,
+            tx.now,
+            expires_at,
+            tx.daemon_id,
+        ),
+    )
+    return LeaseAcquireResult(
+        resource, token, expires_at, describe_holder(principal, holder), False
+    )
+
+
+def _require_current(
+    tx: Tx, principal: str, holder: Holder | None, resource: str, token: int
+) -> Lease:
+    current = load(tx, resource)
+    if current is None:
+        raise LeaseNotFound(f"no lease on {resource}", {"resource": resource})
+    if current.token != token or not current.held_by(principal, holder):
+        raise LeaseSuperseded(
+            f"token {token} on {resource} is superseded: the lease is now token "
+            f"{current.token} held by {describe_holder(current.principal, current.holder)}",
+            {"lease": _as_dict(current.record(tx.now)), "fencing_token": token},
+        )
+    if current.expires_at <= tx.now:
+        raise LeaseExpired(
+            f"the lease on {resource} (token {token}) expired at {current.expires_at}; "
+            "acquire it again for a new token",
+            {"resource": resource, "fencing_token": token, "expired_at": current.expires_at},
+        )
+    return current
+
+
+def renew(
+    tx: Tx, principal: str, holder: Holder | None, resource: str, token: int, ttl_ms: int
+) -> LeaseAcquireResult:
+    current = _require_current(tx, principal, holder, resource, token)
+    expires_at = tx.now + ttl_ms
+    tx.conn.execute(
+        "UPDATE leases SET renewed_at = ?, expires_at = ? WHERE resource = ?",
+        (tx.now, expires_at, resource),
+    )
+    return LeaseAcquireResult(
+        resource, current.token, expires_at, describe_holder(principal, holder), True
+    )
+
+
+def release(
+    tx: Tx, principal: str, holder: Holder | None, resource: str, token: int
+) -> LeaseReleaseResult:
+    _require_current(tx, principal, holder, resource, token)
+    tx.conn.execute("DELETE FROM leases WHERE resource = ?", (resource,))
+    return LeaseReleaseResult(resource=resource, fencing_token=token, released=True)
+
+
+def drop(tx: Tx, resource: str, token: int) -> None:
+    """Release a lease held under ``token``, whoever asks (an effect settling)."""
+    tx.conn.execute(
+        "DELETE FROM leases WHERE resource = ? AND fencing_token = ?", (resource, token)
+    )
+
+
+def extend(tx: Tx, lease: Lease | None, resource: str, token: int, principal: str,
+           holder: Holder | None, ttl_ms: int) -> int:  # fmt: skip
+    """Keep ``token``'s lease alive for an effect whose fence is still the newest:
+    its row is extended, or written again if it lapsed with nobody taking over."""
+    expires_at = tx.now + ttl_ms
+    if lease is not None and lease.token == token:
+        tx.conn.execute(
+            "UPDATE leases SET renewed_at = ?, expires_at = ? WHERE resource = ?",
+            (tx.now, expires_at, resource),
+        )
+        return expires_at
+    tx.conn.execute(
+        f"""INSERT OR REPLACE INTO leases ({_COLUMNS}, daemon_id)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+        (
+            resource,
+            token,
+            principal,
+            holder.pid if holder else None,
+            holder.start if holder else None,
+            tx.now,
+            tx.now,
+            expires_at,
+            tx.daemon_id,
+        ),
+    )
+    return expires_at
+
+
+def get(tx: Tx, resource: str) -> LeaseRecord:
+    current = load(tx, resource)
+    if current is None:
+        raise LeaseNotFound(f"no lease on {resource}", {"resource": resource})
+    return current.record(tx.now)
+
+
+def list_live(tx: Tx) -> list[LeaseRecord]:
+    rows = tx.conn.execute(
+        "SELECT resource FROM leases WHERE expires_at > ? ORDER BY resource", (tx.now,)
+    ).fetchall()
+    leases = [load(tx, resource) for (resource,) in rows]
+    return [lease.record(tx.now) for lease in leases if lease is not None and lease.live(tx.now)]
+
+
+def holders(tx: Tx) -> list[Holder]:
+    return [
+        Holder(pid, start)
+        for pid, start in tx.conn.execute(
+            "SELECT DISTINCT holder_pid, holder_start FROM leases WHERE holder_pid IS NOT NULL"
+        )
+    ]
+
+
+def release_dead_holders(tx: Tx, dead: Iterable[Holder]) -> list[str]:
+    """A dead holder's leases go at once, not at their deadline; the tokens stay used."""
+    released: list[str] = []
+    for holder in dead:
+        released += [
+            row[0]
+            for row in tx.conn.execute(
+                "DELETE FROM leases WHERE holder_pid = ? AND holder_start = ? RETURNING resource",
+                (holder.pid, holder.start),
+            )
+        ]
+    return released
