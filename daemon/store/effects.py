@@ -187,28 +187,37 @@ def claim(
                 exc.data,
             ) from None
         resource, token, lease_expires = granted.resource, granted.fencing_token, granted.expires_at
-    tx.conn.execute(
-        f"""INSERT OR REPLACE INTO effects ({_COLUMNS}, daemon_id)
-            VALUES (?, ?, ?, ?, ?, ?, 'in_flight', ?, NULL, ?, ?, NULL, ?, ?, ?, ?, ?, ?, ?)""",
-        (
-            key,
-            params.run_id,
-            params.step_id,
-            params.attempt_id,
-            params.action_kind,
-            params.target_ref,
-            digest,
-            tx.now,
-            tx.now,
-            params.timeout_ms,
-            resource,
-            token,
-            holder.pid if holder else None,
-            principal,
-            holder.start if holder else None,
-            tx.daemon_id,
-        ),
-    )
+    attempt = {
+        "attempt_id": params.attempt_id,
+        "status": "in_flight",
+        "payload_hash": digest,
+        "receipt": None,
+        "claimed_at": tx.now,
+        "heartbeat_at": tx.now,
+        "completed_at": None,
+        "timeout_ms": params.timeout_ms,
+        "lease_resource": resource,
+        "fencing_token": token,
+        "holder_pid": holder.pid if holder else None,
+        "principal": principal,
+        "holder_start": holder.start if holder else None,
+    }
+    if existing is not None:
+        _set(tx, key, **attempt)  # a new attempt: the row keeps its place in the run
+    else:
+        row = {
+            "effect_key": key,
+            "run_id": params.run_id,
+            "step_id": params.step_id,
+            "action_kind": params.action_kind,
+            "target_ref": params.target_ref,
+            "daemon_id": tx.daemon_id,
+            **attempt,
+        }
+        tx.conn.execute(
+            f"INSERT INTO effects ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+            tuple(row.values()),
+        )
     return EffectClaimResult(
         effect_key=key,
         status="in_flight",
@@ -341,7 +350,7 @@ def get(tx: Tx, key: str) -> EffectRecord:
 
 def list_run(tx: Tx, run_id: str) -> list[EffectRecord]:
     keys = tx.conn.execute(
-        "SELECT effect_key FROM effects WHERE run_id = ? ORDER BY claimed_at, rowid", (run_id,)
+        "SELECT effect_key FROM effects WHERE run_id = ? ORDER BY rowid", (run_id,)
     ).fetchall()
     return [_require(tx, key).record for (key,) in keys]
 
