@@ -167,6 +167,24 @@ def _database_findings(report: dict[str, Any]) -> list[Finding]:
         )
     else:
         findings.append(Finding("outcome_unknown", "ok", "no key waits for a decision"))
+    uncertain = report.get("uncertain_effects") or []
+    if uncertain:
+        sample = ", ".join(
+            f"{e['action_kind']} {e['target_ref']} ({e['effect_key']}, run {e['run_id']})"
+            for e in uncertain[:5]
+        )
+        findings.append(
+            Finding(
+                "uncertain_effects",
+                "warning",
+                f"{len(uncertain)}{'+' if len(uncertain) >= 20 else ''} effects may or may "
+                f"not have happened: {sample}",
+                "check each in the outside world, then `towerctl effects resolve KEY "
+                "--outcome committed` (it happened) or `--outcome aborted` (it did not)",
+            )
+        )
+    else:
+        findings.append(Finding("uncertain_effects", "ok", "no effect waits for a decision"))
     return findings
 
 

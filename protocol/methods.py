@@ -591,6 +591,15 @@ class UnknownKey(Struct):
     updated_at: Millis
 
 
+class UncertainEffect(Struct):
+    effect_key: str
+    run_id: str
+    action_kind: str
+    target_ref: str
+    attempt_id: str
+    heartbeat_at: Millis
+
+
 class DoctorResult(Struct):
     check: str
     integrity: list[str]  # ["ok"] or the problems found
@@ -602,6 +611,8 @@ class DoctorResult(Struct):
     keys: KeyCounts
     unknown_keys: list[UnknownKey]  # the oldest outcome_unknown keys, all principals
     oldest_in_progress_at: Millis | None
+    uncertain_effects: list[UncertainEffect] = []  # effects waiting for effect.resolve
+    live_leases: int = 0
 
 
 # --- the method table ------------------------------------------------------------

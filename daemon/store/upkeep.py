@@ -15,7 +15,13 @@ from pathlib import Path
 
 from towerd.daemon.store import schema
 from towerd.protocol.errors import BadArgs, Conflict, StorageFull
-from towerd.protocol.methods import BackupResult, DoctorResult, KeyCounts, UnknownKey
+from towerd.protocol.methods import (
+    BackupResult,
+    DoctorResult,
+    KeyCounts,
+    UncertainEffect,
+    UnknownKey,
+)
 
 UNKNOWN_SAMPLE = 20
 
@@ -141,6 +147,17 @@ def health(db_path: Path, full: bool) -> DoctorResult:
         oldest_in_progress = conn.execute(
             "SELECT min(created_at) FROM idempotency WHERE state = 'in_progress'"
         ).fetchone()[0]
+        uncertain = [
+            UncertainEffect(*row)
+            for row in conn.execute(
+                """SELECT effect_key, run_id, action_kind, target_ref, attempt_id, heartbeat_at
+                   FROM effects WHERE status = 'uncertain' ORDER BY heartbeat_at LIMIT ?""",
+                (UNKNOWN_SAMPLE,),
+            )
+        ]
+        live_leases = conn.execute(
+            "SELECT count(*) FROM leases WHERE expires_at > ?", (int(time.time() * 1000),)
+        ).fetchone()[0]
     return DoctorResult(
         check=check,
         integrity=integrity,
@@ -152,4 +169,6 @@ def health(db_path: Path, full: bool) -> DoctorResult:
         keys=counts,
         unknown_keys=unknown,
         oldest_in_progress_at=oldest_in_progress,
+        uncertain_effects=uncertain,
+        live_leases=live_leases,
     )

@@ -138,3 +138,36 @@ def test_newer_database_is_refused_at_start_untouched(daemon):
     assert daemon.spawn().wait(30) == EXIT_REFUSED
     assert "99" in daemon.log() and "newer" in daemon.log()
     assert db_path.read_bytes() == stamped
+
+
+PARKED = """
+import signal, sys
+from towerd.client import Client
+with Client(sys.argv[1]) as client:
+    client.effect_claim("run_3", "notify", "a-1", "webhook", "https://hooks.example/deploy")
+print("claimed", flush=True)
+signal.pause()
+"""
+
+
+def test_doctor_names_effects_waiting_for_a_decision(daemon):
+    """A webhook whose claimant died mid-effect is parked uncertain: doctor exits 1,
+    names it, and says how to resolve it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PARKED, str(daemon.socket_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "claimed"
+    proc.kill()
+    proc.wait(10)
+    with daemon.client() as client:
+        wait_for(
+            lambda: client.effect_list("run_3")["effects"][0]["status"] == "uncertain",
+            timeout=10,
+            what="the effect to park",
+        )
+    result = towerctl(daemon, "doctor")
+    assert result.returncode == 1
+    assert "https://hooks.example/deploy" in result.stdout and "effects resolve" in result.stdout
