@@ -157,7 +157,8 @@ def claim(
             )
         if record.status == "in_flight":
             if record.attempt_id == params.attempt_id and existing.holder == holder:
-                return _claimed(tx, record)  # the same claim again: its answer was lost
+                # The same claim again (its answer was lost), if its fence still holds.
+                return _fence_lost(tx, existing) or _claimed(tx, record)
             if not _stale(existing, tx.now):
                 raise EffectInFlight(
                     f"{record.action_kind} on {record.target_ref} is being executed by attempt "
@@ -230,6 +231,8 @@ def claim(
 
 def _claimed(tx: Tx, record: EffectRecord) -> EffectClaimResult:
     lease = leases.load(tx, record.lease_resource) if record.lease_resource else None
+    if lease is not None and lease.token != record.fencing_token:
+        lease = None  # not this effect's lease
     return EffectClaimResult(
         effect_key=record.effect_key,
         status="in_flight",
@@ -296,7 +299,13 @@ def _finish(tx: Tx, effect: _Effect, status: str, receipt: Any) -> EffectRecord:
     record = effect.record
     _set(tx, record.effect_key, status=status, receipt=pack(receipt), completed_at=tx.now)
     if record.lease_resource is not None and record.fencing_token is not None:
-        leases.drop(tx, record.lease_resource, record.fencing_token)
+        sharing = tx.conn.execute(
+            """SELECT 1 FROM effects WHERE lease_resource = ? AND fencing_token = ?
+               AND status = 'in_flight' AND effect_key != ? LIMIT 1""",
+            (record.lease_resource, record.fencing_token, record.effect_key),
+        ).fetchone()
+        if sharing is None:  # the holder's other effects on this target keep the lease
+            leases.drop(tx, record.lease_resource, record.fencing_token)
     return msgspec.structs.replace(
         record, status=status, receipt=unpack(pack(receipt)), completed_at=tx.now
     )
