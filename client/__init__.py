@@ -4,6 +4,10 @@
 * :class:`AsyncClient`: anyio, for services; imported on first use only.
 * :func:`run_once` / :func:`run_once_async`: run an effect at most once under
   an idempotency key, across lost connections and daemon restarts.
+* ``with client.effect(run_id, step_id, kind, target) as fx`` (and ``async with``
+  on :class:`AsyncClient`): one external effect through the effects ledger,
+  claimed, heartbeaten in the background and committed with ``fx.receipt``, a
+  :class:`ClaimedEffect`; :class:`Heartbeat` is the background helper it uses.
 * One exception class per wire error code, all subclasses of
   :class:`TowerdError` with ``.code``, ``.message`` and ``.data``.
 """
@@ -48,6 +52,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from towerd.client.aio import AsyncClient, run_once_async
+    from towerd.client.effect import ClaimedEffect, Heartbeat
     from towerd.client.idempotent import EffectNotStarted, run_once
 
 # Imported on first use: a hook that only needs Client pays for nothing else.
@@ -56,12 +61,15 @@ _LAZY = {
     "run_once_async": "towerd.client.aio",
     "EffectNotStarted": "towerd.client.idempotent",
     "run_once": "towerd.client.idempotent",
+    "ClaimedEffect": "towerd.client.effect",
+    "Heartbeat": "towerd.client.effect",
 }
 
 __all__ = [
     "AsyncClient",
     "BadArgs",
     "BadFrame",
+    "ClaimedEffect",
     "Client",
     "Conflict",
     "EffectAlreadyCommitted",
@@ -73,6 +81,7 @@ __all__ = [
     "EffectNotStarted",
     "EffectUncertain",
     "FrameTooLarge",
+    "Heartbeat",
     "IdempotencyConflict",
     "IdempotencyInProgress",
     "IdempotencyKeyUnknown",

@@ -11,10 +11,10 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import SocketStream
@@ -26,6 +26,9 @@ from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder, Fra
 from towerd.protocol.envelope import FRAME_ERROR_ID, decode_response, encode_request
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.paths import default_socket_path
+
+if TYPE_CHECKING:
+    from towerd.client.effect import ClaimedEffect
 
 
 @dataclass(eq=False)
@@ -151,6 +154,29 @@ class AsyncClient(TowerdAPI):
                 pending.error = error
                 pending.done.set()
         return self._lost
+
+    def effect(
+        self,
+        run_id: str,
+        step_id: str,
+        action_kind: str,
+        target_ref: str,
+        *,
+        payload: Any = None,
+        attempt_id: str | None = None,
+        heartbeat_interval: float | None = 30.0,
+        lease_ttl_ms: int | None = None,
+        timeout_ms: int | None = None,
+    ) -> AbstractAsyncContextManager[ClaimedEffect]:
+        """``async with client.effect(...) as fx:`` the async twin of ``Client.effect``;
+        heartbeats run as a task on this connection."""
+        from towerd.client.effect import effect_async
+
+        return effect_async(
+            self, run_id, step_id, action_kind, target_ref,
+            payload=payload, attempt_id=attempt_id, heartbeat_interval=heartbeat_interval,
+            lease_ttl_ms=lease_ttl_ms, timeout_ms=timeout_ms,
+        )  # fmt: skip
 
     async def iter_fleet(self, page_size: int | None = None) -> AsyncIterator[dict[str, Any]]:
         cursor = None

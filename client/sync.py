@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping, Sequence
     from typing import Any
 
+    from towerd.client.effect import EffectContext
+
 DEFAULT_TIMEOUT = 10.0
 
 
@@ -198,6 +200,35 @@ class Client(TowerdAPI):
                 {"socket": str(self.socket_path), "reason": "closed"},
             )
         return self._sock
+
+    # --- effects -------------------------------------------------------------------------------
+
+    def effect(
+        self,
+        run_id: str,
+        step_id: str,
+        action_kind: str,
+        target_ref: str,
+        *,
+        payload: Any = None,
+        attempt_id: str | None = None,
+        heartbeat_interval: float | None = 30.0,
+        lease_ttl_ms: int | None = None,
+        timeout_ms: int | None = None,
+    ) -> EffectContext:
+        """``with client.effect(...) as fx:`` claim an external effect, heartbeat it in
+        the background (on a connection of its own), commit ``fx.receipt`` at exit.
+
+        ``EffectNotStarted`` from the body aborts it; any other exception leaves it in
+        flight for recovery. See :mod:`towerd.client.effect`.
+        """
+        from towerd.client.effect import EffectContext
+
+        return EffectContext(
+            self, run_id, step_id, action_kind, target_ref,
+            payload=payload, attempt_id=attempt_id, heartbeat_interval=heartbeat_interval,
+            lease_ttl_ms=lease_ttl_ms, timeout_ms=timeout_ms,
+        )  # fmt: skip
 
     # --- paging --------------------------------------------------------------------------------
 
