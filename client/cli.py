@@ -6,7 +6,11 @@ on stdout, and an error as ``{"error": {"code", "message", "data"}}`` on
 stdout; without it, readable text on stdout and errors on stderr.
 
 Exit status: 0 success, 1 the daemon answered an error, 2 bad usage,
-3 the daemon could not be reached.
+3 the daemon could not be reached. ``run``, ``effect run`` and ``lock worktree``
+exit with their command's status, or one of their own (see ``EXIT_EPILOG``):
+120 the outcome is unknown or uncertain (a person must decide; CMD was not run),
+121 in progress, in flight or held elsewhere (CMD was not run: retry later),
+126/127 CMD could not be executed / was not found (nothing ran).
 
 Runs inside hooks on every agent event, so it imports only the blocking
 client (no anyio, structlog or aiosqlite).
@@ -24,6 +28,15 @@ from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.fields import IDEM_STATES, SESSION_FIELDS
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+# run, effect run, lock worktree: their statuses are in towerd.client.exactly_once
+EXIT_EPILOG = (
+    "exit status: 0 ok, 1 the daemon answered an error, 2 bad usage, "
+    "3 the daemon could not be reached; run, effect run and lock worktree exit with "
+    "CMD's own status, or 120 the outcome is unknown or uncertain (a person must decide; "
+    "CMD was not run), 121 in progress, in flight or held elsewhere (CMD was not run; "
+    "retry later), 126/127 CMD could not be executed / was not found (nothing ran). "
+    "CMD's own status may be any of these: use --json to tell them apart"
+)
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -222,6 +235,42 @@ def cmd_branch_cleanup(_client: None, args: argparse.Namespace) -> Any:
     return result
 
 
+def cmd_run(_client: None, args: argparse.Namespace) -> int:
+    from towerd.client.exactly_once import shell_run
+
+    return shell_run(args)
+
+
+def cmd_effect_run(_client: None, args: argparse.Namespace) -> int:
+    from towerd.client.exactly_once import effect_run
+
+    return effect_run(args)
+
+
+def cmd_lock_worktree(_client: None, args: argparse.Namespace) -> int:
+    from towerd.client.locks import lock_worktree
+
+    return lock_worktree(args)
+
+
+def cmd_effects_list(client: Client, args: argparse.Namespace) -> Any:
+    if args.run_id is None:
+        # Optional in the parser only so that every command parses with no arguments.
+        raise UsageError("effects list: give the RUN_ID whose effects to list")
+    return client.effect_list(args.run_id)
+
+
+def cmd_effects_resolve(client: Client, args: argparse.Namespace) -> Any:
+    if args.effect_key is None or args.outcome is None:
+        raise UsageError(
+            "effects resolve: give the effect KEY and --outcome committed (it happened) "
+            "or --outcome aborted (it did not)"
+        )
+    return client.effect_resolve(
+        args.effect_key, args.outcome, _json_arg(args.receipt, "--receipt")
+    )
+
+
 # --- output ------------------------------------------------------------------------------
 
 
@@ -327,6 +376,37 @@ def render_import(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def render_effects(result: dict[str, Any]) -> str:
+    rows = [
+        {**effect, "updated_at": effect.get("completed_at") or effect.get("heartbeat_at")}
+        for effect in result["effects"]
+    ]
+    return _table(
+        rows,
+        [
+            ("effect_key", "EFFECT_KEY"),
+            ("action_kind", "KIND"),
+            ("target_ref", "TARGET"),
+            ("status", "STATUS"),
+            ("attempt_id", "ATTEMPT"),
+            ("updated_at", "UPDATED"),
+        ],
+    )
+
+
+def render_leases(result: dict[str, Any]) -> str:
+    return _table(
+        result["leases"],
+        [
+            ("resource", "RESOURCE"),
+            ("fencing_token", "TOKEN"),
+            ("holder", "HOLDER"),
+            ("acquired_at", "ACQUIRED"),
+            ("expires_at", "EXPIRES"),
+        ],
+    )
+
+
 def render_pong(_result: Any) -> str:
     return "pong"
 
@@ -392,6 +472,8 @@ COMMAND_PATHS = frozenset(
         ("session", "register"), ("session", "update"), ("session", "remove"),
         ("idem", "claim"), ("idem", "complete"), ("idem", "release"), ("idem", "mark-unknown"),
         ("idem", "get"), ("idem", "resolve"), ("idem", "list"),
+        ("run",), ("effect", "run"), ("lock", "worktree"),
+        ("effects", "list"), ("effects", "resolve"), ("leases",),
     }
 )  # fmt: skip
 _OPTIONS_WITH_VALUES = ("--socket", "--principal", "--timeout")
@@ -433,8 +515,7 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
         formatter_class=_Formatter,
         prog="towerctl",
         description="Talk to the towerd daemon.",
-        epilog="exit status: 0 ok, 1 the daemon answered an error, 2 bad usage, "
-        "3 the daemon could not be reached",
+        epilog=EXIT_EPILOG,
     )
     parser.add_argument(
         "--socket",
@@ -653,7 +734,141 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
         "--repo", default=".", metavar="PATH", help="any path in the repository (default: .)"
     )
     p.set_defaults(offline=True)
+
+    _add_exactly_once_commands(command, commands)
     return parser
+
+
+def _add_command_argv(p: Any, what: str) -> None:
+    """The command after ``--``: everything after it is CMD's, options included."""
+    p.add_argument(
+        "--json",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="as the global --json: the result or error as JSON on stdout",
+    )
+    p.add_argument(
+        "argv",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ...",
+        help=f"the command {what}, after -- (required)",
+    )
+    p.set_defaults(offline=True, raw=True)
+    p.epilog = EXIT_EPILOG
+
+
+def _add_exactly_once_commands(command: Any, commands: Any) -> None:
+    p = command(
+        commands,
+        "run",
+        cmd_run,
+        "run CMD at most once under an idempotency key: a retry after it ran prints the "
+        "stored outcome and exits with the stored status without running it",
+    )
+    p.add_argument(
+        "--key",
+        default=None,
+        help="(required) names what CMD does: the same on every retry, e.g. push:app#42",
+    )
+    p.add_argument("--operation", default="shell", help="the key's operation (default: shell)")
+    _add_command_argv(p, "to run once")
+
+    effect = command(commands, "effect", None, "run an external effect through the ledger")
+    p = command(
+        effect,
+        "run",
+        cmd_effect_run,
+        "run CMD as one external effect of a run: claim (with the target's lease for "
+        "shared kinds), heartbeat while it runs, commit on exit 0, fail otherwise",
+    )
+    if not isinstance(p, _Skipped):
+        from towerd.protocol.naming import ACTION_KINDS
+
+        p.add_argument("--run-id", default=None, help="(required) the run")
+        p.add_argument("--step", default=None, help="(required) the run's step")
+        p.add_argument(
+            "--kind",
+            default=None,
+            choices=ACTION_KINDS,
+            metavar="KIND",
+            help=f"(required) one of {', '.join(ACTION_KINDS)}",
+        )
+        p.add_argument(
+            "--target", default=None, help="(required) what it acts on, e.g. refs/heads/main"
+        )
+        p.add_argument(
+            "--attempt", default=None, metavar="ID", help="this attempt's id (default: minted)"
+        )
+        p.add_argument(
+            "--payload",
+            default=None,
+            metavar="JSON",
+            help="the effect's payload; every attempt must send the same (default: none)",
+        )
+        p.add_argument(
+            "--heartbeat",
+            type=float,
+            default=30.0,
+            metavar="SECONDS",
+            help="heartbeat interval while CMD runs (default: 30)",
+        )
+        p.add_argument(
+            "--lease-ttl",
+            type=int,
+            default=None,
+            metavar="MS",
+            help="the target lease's TTL, 5000-600000 (default: the daemon's, 300000)",
+        )
+        _add_command_argv(p, "that does the effect")
+
+    lock = command(commands, "lock", None, "run a command holding a lock")
+    p = command(
+        lock,
+        "worktree",
+        cmd_lock_worktree,
+        "run CMD holding the lock of the git repository (shared by all its worktrees); "
+        "released when CMD ends or towerctl dies: no lockfile to go stale",
+    )
+    p.add_argument(
+        "--timeout",
+        dest="wait_timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds to wait for the lock (default: 30); then exit 121",
+    )
+    p.add_argument(
+        "--repo", default=".", metavar="PATH", help="any path in the repository (default: .)"
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=int,
+        default=60_000,
+        metavar="MS",
+        help="the lock's TTL, renewed every third of it (default: 60000)",
+    )
+    _add_command_argv(p, "to run under the lock")
+
+    effects = command(commands, "effects", None, "the effects ledger")
+    p = command(effects, "list", cmd_effects_list, "a run's effects, in claim order",
+                render_effects)  # fmt: skip
+    p.add_argument("run_id", nargs="?", default=None, metavar="RUN_ID", help="(required)")
+    p = command(
+        effects,
+        "resolve",
+        cmd_effects_resolve,
+        "settle an uncertain effect after checking the outside world by hand",
+    )
+    p.add_argument("effect_key", nargs="?", default=None, metavar="KEY", help="(required) eff_...")
+    p.add_argument(
+        "--outcome",
+        default=None,
+        choices=["committed", "aborted"],
+        help="(required) committed: it happened (give --receipt); aborted: it did not, "
+        "a new attempt runs it afresh",
+    )
+    p.add_argument("--receipt", default=None, metavar="JSON")
+    command(commands, "leases", lambda c, a: c.lease_list(), "live leases", render_leases)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -671,6 +886,8 @@ def run(args: argparse.Namespace) -> int:
                 args.socket, timeout=args.timeout, principal=args.principal, client_name="towerctl"
             ) as client:
                 result = args.run(client, args)
+        if getattr(args, "raw", False):
+            return result  # it printed its own output; this is its exit status
     except UsageError as exc:
         print(f"towerctl: {exc}", file=sys.stderr)
         return EXIT_USAGE

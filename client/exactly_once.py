@@ -1,0 +1,560 @@
+"""``towerctl run`` and ``towerctl effect run``: shell commands that run at most once.
+
+For hooks and scripts that are not Python. ``towerctl run --key KEY -- CMD ...``
+claims the idempotency key (holder: this towerctl process, which lives while CMD
+runs; payload: CMD's argv, so another command under the same key is an
+``idempotency_conflict``), runs CMD, and completes the key with
+``{"exit_status", "output_sha256"}``. ``towerctl effect run`` does the same through
+the effects ledger: claim (with the target's lease for shared kinds), heartbeats
+while CMD runs, then commit on exit 0 or fail otherwise.
+
+CMD's stdin is inherited; its stdout and stderr go through pipes so they can be
+hashed, and are copied to towerctl's as they come (with ``--json``, CMD's stdout
+goes to towerctl's stderr, so stdout carries only the JSON result). Being pipes,
+CMD sees no terminal there.
+
+``output_sha256`` = SHA-256 of the two raw 32-byte SHA-256 digests of CMD's whole
+stdout and of its whole stderr, in that order:
+``sha256(sha256(stdout).digest() + sha256(stderr).digest()).hexdigest()``
+(:func:`output_digest`). Each stream is hashed on its own, so the digest does not
+depend on how the two interleaved.
+
+While CMD runs, towerctl forwards SIGTERM and SIGHUP to it and ignores SIGINT and
+SIGQUIT (CMD is in the same process group and gets those from the terminal itself),
+then records CMD's exit; a CMD killed by signal N exits 128+N. Exit statuses are
+in the module constants and documented in ``towerctl --help``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from towerd.client.idempotent import retry_delay
+from towerd.client.sync import Client
+from towerd.protocol.errors import (
+    EffectAlreadyCommitted,
+    EffectInFlight,
+    EffectLeaseHeld,
+    EffectUncertain,
+    IdempotencyInProgress,
+    OutcomeUnknown,
+    TowerdError,
+    Unavailable,
+)
+
+if TYPE_CHECKING:
+    import argparse
+
+EXIT_UNKNOWN = 120  # the outcome is unknown or uncertain: a person must decide, CMD not run
+EXIT_BUSY = 121  # in progress, in flight or held elsewhere: retry later, CMD not run
+EXIT_NOT_EXECUTABLE = 126  # CMD could not be executed: nothing ran, the key is released
+EXIT_NOT_FOUND = 127  # CMD was not found: nothing ran, the key is released
+
+_CLAIM_ATTEMPTS = 3  # before CMD runs: fail fast when there is no daemon
+_AFTER_ATTEMPTS = 20  # after CMD ran: its outcome must be recorded (about 30 s of retries)
+_BACKOFF, _MAX_BACKOFF = 0.1, 2.0
+
+
+# --- running CMD ----------------------------------------------------------------------------
+
+
+def output_digest(stdout: bytes, stderr: bytes) -> str:
+    """The ``output_sha256`` recorded for a command that wrote ``stdout`` and ``stderr``."""
+    return _combine(hashlib.sha256(stdout), hashlib.sha256(stderr))
+
+
+def _combine(stdout: Any, stderr: Any) -> str:
+    return hashlib.sha256(stdout.digest() + stderr.digest()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    exit_status: int  # 0..255; 128+N for a command killed by signal N
+    output_sha256: str
+    signal: int | None = None
+
+    def result(self) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "exit_status": self.exit_status,
+            "output_sha256": self.output_sha256,
+        }
+        if self.signal is not None:
+            result["signal"] = self.signal
+        return result
+
+
+def _die_with_parent(signum: int) -> Callable[[], None] | None:
+    """A preexec function sending the child ``signum`` when towerctl dies (Linux
+    PR_SET_PDEATHSIG), so a command run under a lease never outlives it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signum, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # towerctl died before the call took hold
+            os.kill(os.getpid(), signum)
+
+    return preexec
+
+
+class Child:
+    """CMD as towerctl's child. Raises ``OSError`` when it cannot be started (nothing ran).
+
+    ``capture``: read its stdout and stderr through pipes, hash them and copy them to
+    ``stdout_fd`` and fd 2. ``die_with_parent``: the signal CMD gets if towerctl dies.
+    Create it from the main thread, before starting any other (``preexec_fn``).
+    """
+
+    _FORWARDED = (signal.SIGTERM, signal.SIGHUP)
+    _IGNORED = (signal.SIGINT, signal.SIGQUIT)
+
+    def __init__(
+        self,
+        argv: list[str],
+        *,
+        capture: bool = False,
+        stdout_fd: int = 1,
+        die_with_parent: int | None = None,
+    ) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pipe = subprocess.PIPE if capture else None
+        self._capture = capture
+        self._stdout_fd = stdout_fd
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=pipe,
+            stderr=pipe,
+            bufsize=0,
+            preexec_fn=_die_with_parent(die_with_parent) if die_with_parent else None,
+        )
+        self._saved: dict[int, Any] = {}
+        try:
+            for signum in self._FORWARDED:
+                self._saved[signum] = signal.signal(signum, self._forward)
+            for signum in self._IGNORED:
+                # A Python handler, not SIG_IGN: an ignored disposition would be inherited
+                # by commands CMD starts later.
+                self._saved[signum] = signal.signal(signum, _ignore)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _forward(self, signum: int, _frame: Any) -> None:
+        try:
+            self.proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> Outcome:
+        """Copy and hash CMD's output until it exits; its outcome."""
+        out, err = hashlib.sha256(), hashlib.sha256()
+        try:
+            if self._capture:
+                assert self.proc.stdout is not None and self.proc.stderr is not None
+                _pump(
+                    self.proc,
+                    {
+                        self.proc.stdout.fileno(): (out, self._stdout_fd),
+                        self.proc.stderr.fileno(): (err, 2),
+                    },
+                )
+                self.proc.stdout.close()
+                self.proc.stderr.close()
+            code = self.proc.wait()
+        finally:
+            for signum, handler in self._saved.items():
+                signal.signal(signum, handler)
+        if code < 0:
+            return Outcome(128 - code, _combine(out, err), -code)
+        return Outcome(code, _combine(out, err))
+
+
+def _ignore(_signum: int, _frame: Any) -> None:
+    pass
+
+
+def _pump(proc: subprocess.Popen[bytes], streams: dict[int, tuple[Any, int]]) -> None:
+    """Read each pipe until EOF, hashing it and copying it to its sink fd. Once CMD has
+    exited, what it wrote is in the pipes: that is drained, and a process CMD left
+    behind holding a pipe open does not keep towerctl waiting."""
+    selector = selectors.DefaultSelector()
+    dead_sinks: set[int] = set()
+    for fd in streams:
+        selector.register(fd, selectors.EVENT_READ)
+    pidfd = None
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+        selector.register(pidfd, selectors.EVENT_READ)
+    except (AttributeError, OSError):
+        pass  # no pidfd: poll for the exit instead
+    try:
+        exited = False
+        while streams and not exited:
+            for key, _events in selector.select(None if pidfd is not None else 0.05):
+                if key.fd == pidfd:
+                    exited = True
+                elif not _copy(key.fd, streams, dead_sinks):
+                    selector.unregister(key.fd)
+                    del streams[key.fd]
+            if pidfd is None and proc.poll() is not None:
+                exited = True
+        for fd in list(streams):
+            os.set_blocking(fd, False)
+            try:
+                while _copy(fd, streams, dead_sinks):
+                    pass
+            except BlockingIOError:
+                pass
+    finally:
+        selector.close()
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _copy(fd: int, streams: dict[int, tuple[Any, int]], dead_sinks: set[int]) -> bool:
+    """One read from ``fd``; False at EOF."""
+    data = os.read(fd, 65536)
+    if not data:
+        return False
+    digest, sink = streams[fd]
+    digest.update(data)
+    if sink not in dead_sinks:
+        try:
+            _write_all(sink, data)
+        except OSError:  # towerctl's own output is gone (a closed pipe): keep hashing
+            dead_sinks.add(sink)
+    return True
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:  # a non-blocking terminal or pipe we inherited: wait for room
+            import select
+
+            select.select([], [fd], [])
+
+
+# --- talking to the daemon --------------------------------------------------------------------
+
+
+class Connection:
+    """towerctl's connection, reopened after a lost connection where a retry is safe."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.client: Client | None = None
+
+    def new_client(self, role: str = "") -> Client:
+        return Client(
+            self.args.socket,
+            timeout=self.args.timeout,
+            principal=self.args.principal,
+            client_name=f"towerctl{role}",
+        )
+
+    def open(self) -> Client:
+        if self.client is None:
+            self.client = self.new_client()
+        return self.client
+
+    def call(self, method: str, *args: Any, attempts: int = _CLAIM_ATTEMPTS, **kwargs: Any) -> Any:
+        failures = 0
+        while True:
+            try:
+                return getattr(self.open(), method)(*args, **kwargs)
+            except Unavailable:
+                self.close()
+                failures += 1
+                if failures >= attempts:
+                    raise
+                time.sleep(retry_delay(failures, _BACKOFF, _MAX_BACKOFF))
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _dumps(value: Any, **kwargs: Any) -> str:
+    import json
+
+    from towerd.client.cli import _jsonable
+
+    return json.dumps(value, default=_jsonable, **kwargs)
+
+
+def print_json(result: Any) -> None:
+    print(_dumps(result, indent=2, sort_keys=True))
+
+
+def error_out(
+    args: argparse.Namespace, error: TowerdError, status: int, hint: str | None = None
+) -> int:
+    """Report ``error`` as towerctl reports any error, with a hint in text mode."""
+    if args.json:
+        print(_dumps({"error": error.to_wire()}))
+    else:
+        print(f"towerctl: {error.code}: {error.message}", file=sys.stderr)
+        if hint:
+            print(f"towerctl: {hint}", file=sys.stderr)
+    return status
+
+
+def note(args: argparse.Namespace, text: str) -> None:
+    """A line for the person in text mode (stderr: stdout is CMD's)."""
+    if not args.json:
+        print(f"towerctl: {text}", file=sys.stderr)
+
+
+def not_started(args: argparse.Namespace, argv: list[str], exc: OSError, what: str) -> int:
+    """CMD could not be started: nothing ran."""
+    missing = isinstance(exc, FileNotFoundError)
+    code = "command_not_found" if missing else "command_not_executable"
+    message = f"cannot run {argv[0]!r}: {exc.strerror or exc}; nothing ran, {what}"
+    if args.json:
+        print(_dumps({"error": {"code": code, "message": message, "data": {"argv": argv}}}))
+    else:
+        print(f"towerctl: {code}: {message}", file=sys.stderr)
+    return EXIT_NOT_FOUND if missing else EXIT_NOT_EXECUTABLE
+
+
+def command_argv(args: argparse.Namespace, command: str) -> list[str]:
+    from towerd.client.cli import UsageError
+
+    argv = list(args.argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise UsageError(f"{command}: give the command to run after --, e.g. -- git push")
+    return argv
+
+
+def _q(text: str) -> str:
+    return shlex.quote(text)
+
+
+# --- towerctl run ---------------------------------------------------------------------------
+
+
+def stored_status(result: Any) -> int:
+    """The exit status a completed key replays: its ``exit_status``, or 0 for a key a
+    person settled as completed without one."""
+    status = result.get("exit_status") if isinstance(result, dict) else None
+    if isinstance(status, int) and not isinstance(status, bool) and 0 <= status <= 255:
+        return status
+    return 0
+
+
+def shell_run(args: argparse.Namespace) -> int:
+    """``towerctl run --key KEY [--operation OP] -- CMD ...``."""
+    from towerd.client.cli import UsageError
+
+    argv = command_argv(args, "run")
+    if not args.key:
+        raise UsageError("run: give --key KEY (the name of what CMD does, the same on a retry)")
+    operation, key = args.operation, args.key
+    import secrets
+
+    conn = Connection(args)
+    try:
+        claim = conn.call(
+            "idem_claim",
+            operation,
+            key,
+            payload=argv,
+            holder_pid=os.getpid(),
+            attempt=secrets.token_hex(16),  # a repeated claim after a lost answer is ours
+        )
+    except OutcomeUnknown as exc:
+        return error_out(
+            args,
+            exc,
+            EXIT_UNKNOWN,
+            "CMD was not run. Check whether it ran, then settle the key: "
+            f"towerctl idem resolve {_q(operation)} {_q(key)} --outcome completed "
+            "--result '{\"exit_status\": 0}' (it ran) or --outcome abandoned "
+            "(it did not: the next run runs it)",
+        )
+    except IdempotencyInProgress as exc:
+        pid = (exc.data or {}).get("holder_pid")
+        return error_out(
+            args, exc, EXIT_BUSY, f"CMD was not run: process {pid} is running it; retry later"
+        )
+    answer = {"operation": operation, "key": key, "effect_ref": claim["effect_ref"]}
+    if claim["state"] == "completed":
+        result = claim.get("result")
+        status = stored_status(result)
+        shown = result.get("output_sha256") if isinstance(result, dict) else None
+        if args.json:
+            print_json({**answer, "state": "replayed", "exit_status": status,
+                        "output_sha256": shown, "result": result})  # fmt: skip
+        else:
+            note(
+                args,
+                f"{key} ({operation}) already ran: exit status {status}"
+                + (f", output sha256 {shown}" if shown else "")
+                + "; not running it again",
+            )
+        return status
+
+    try:
+        child = Child(argv, capture=True, stdout_fd=2 if args.json else 1)
+    except OSError as exc:
+        conn.call("idem_release", operation, key, attempts=_AFTER_ATTEMPTS)
+        return not_started(args, argv, exc, "the key is released")
+    outcome = child.wait()
+    result = outcome.result()
+    try:
+        conn.call("idem_complete", operation, key, result, attempts=_AFTER_ATTEMPTS)
+    except TowerdError as exc:
+        return error_out(
+            args,
+            exc,
+            EXIT_UNKNOWN,
+            f"CMD ran and exited {outcome.exit_status}, but that could not be recorded; "
+            "once this towerctl exits the key reads outcome_unknown. Record it with: "
+            f"towerctl idem resolve {_q(operation)} {_q(key)} --outcome completed "
+            f"--result {_q(_dumps(result, sort_keys=True))}",
+        )
+    if args.json:
+        print_json({**answer, "state": "ran", "exit_status": outcome.exit_status,
+                    "output_sha256": outcome.output_sha256, "result": result})  # fmt: skip
+    return outcome.exit_status
+
+
+# --- towerctl effect run --------------------------------------------------------------------
+
+
+def _resolve_hint(key: str) -> str:
+    return (
+        "check whether it happened, then: towerctl effects resolve "
+        f"{key} --outcome committed --receipt JSON (it did) or --outcome aborted (it did not)"
+    )
+
+
+def effect_run(args: argparse.Namespace) -> int:
+    """``towerctl effect run --run-id R --step S --kind K --target T -- CMD ...``."""
+    from towerd.client.cli import UsageError, _json_arg
+    from towerd.client.effect import (
+        LOST,
+        ClaimedEffect,
+        EffectBeat,
+        Heartbeat,
+        deliver,
+        new_attempt_id,
+    )
+
+    argv = command_argv(args, "effect run")
+    missing = [
+        option
+        for option, value in (
+            ("--run-id", args.run_id),
+            ("--step", args.step),
+            ("--kind", args.kind),
+            ("--target", args.target),
+        )
+        if not value
+    ]
+    if missing:
+        raise UsageError(f"effect run: give {', '.join(missing)}")
+    if not args.heartbeat > 0:
+        raise UsageError("effect run: --heartbeat must be a positive number of seconds")
+    payload = _json_arg(args.payload, "--payload")
+    attempt = args.attempt or new_attempt_id()
+    conn = Connection(args)
+    try:
+        claim = conn.call(
+            "effect_claim", args.run_id, args.step, attempt, args.kind, args.target,
+            payload=payload, lease_ttl_ms=args.lease_ttl,
+        )  # fmt: skip
+    except EffectAlreadyCommitted as exc:
+        record = (exc.data or {}).get("effect", {})
+        if args.json:
+            print_json({"state": "already_committed", "effect": record})
+        else:
+            note(
+                args,
+                f"{args.kind} on {args.target} ({record.get('effect_key')}) was already "
+                f"committed; receipt: {_dumps(record.get('receipt'), sort_keys=True)}; "
+                "not running it again",
+            )
+        return 0
+    except EffectUncertain as exc:
+        key = (exc.data or {}).get("effect", {}).get("effect_key", "KEY")
+        return error_out(args, exc, EXIT_UNKNOWN, "CMD was not run; " + _resolve_hint(key))
+    except (EffectInFlight, EffectLeaseHeld) as exc:
+        return error_out(args, exc, EXIT_BUSY, "CMD was not run; retry later")
+
+    effect = ClaimedEffect(args.run_id, args.step, args.kind, args.target, claim)
+    key = effect.effect_key
+    client = conn.open()
+    try:
+        # Under a lease, CMD must not outlive towerctl (whose death frees the lease).
+        child = Child(
+            argv,
+            capture=True,
+            stdout_fd=2 if args.json else 1,
+            die_with_parent=signal.SIGTERM if effect.lease_resource else None,
+        )
+    except OSError as exc:
+        deliver(client, "effect_abort", key, attempt, f"cannot run {argv[0]}", settled="aborted")
+        return not_started(args, argv, exc, "the effect is aborted")
+    beat = EffectBeat(lambda: conn.new_client("/heartbeat"), effect, args.lease_ttl)
+    heartbeat = Heartbeat(beat, args.heartbeat, on_stop=beat.close).start()
+    try:
+        outcome = child.wait()
+    finally:
+        heartbeat.stop()
+    done = outcome.result()
+    lost_hint = (
+        f"CMD exited {outcome.exit_status} ({_dumps(done, sort_keys=True)}) but the effect "
+        f"was not recorded as done; it is parked uncertain: {_resolve_hint(key)}"
+    )
+    if effect.lost is not None:
+        return error_out(args, effect.lost, EXIT_UNKNOWN, lost_hint)
+    try:
+        if outcome.exit_status == 0:
+            record = deliver(client, "effect_commit", key, attempt, done)
+        else:
+            record = deliver(client, "effect_fail", key, attempt, done, settled="failed")
+    except LOST as exc:
+        return error_out(args, exc, EXIT_UNKNOWN, lost_hint)
+    except TowerdError as exc:
+        return error_out(
+            args,
+            exc,
+            EXIT_UNKNOWN,
+            f"CMD exited {outcome.exit_status} but that could not be recorded; the effect is "
+            f"parked uncertain once this towerctl exits: {_resolve_hint(key)}",
+        )
+    if args.json:
+        print_json({"state": record["status"], "exit_status": outcome.exit_status,
+                    "output_sha256": outcome.output_sha256, "effect": record})  # fmt: skip
+    return outcome.exit_status
