@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from towerd.client.sync import Client
 from towerd.protocol.errors import (
+    AlreadyActive,
+    AttemptsExhausted,
     BadArgs,
     BadFrame,
     Conflict,
@@ -35,6 +37,7 @@ from towerd.protocol.errors import (
     LeaseHeld,
     LeaseNotFound,
     LeaseSuperseded,
+    NotBefore,
     NotFound,
     OutcomeUnknown,
     ProtocolMismatch,
@@ -66,7 +69,9 @@ _LAZY = {
 }
 
 __all__ = [
+    "AlreadyActive",
     "AsyncClient",
+    "AttemptsExhausted",
     "BadArgs",
     "BadFrame",
     "ClaimedEffect",
@@ -90,6 +95,7 @@ __all__ = [
     "LeaseHeld",
     "LeaseNotFound",
     "LeaseSuperseded",
+    "NotBefore",
     "NotFound",
     "OutcomeUnknown",
     "ProtocolMismatch",

@@ -226,6 +226,179 @@ class TowerdAPI:
     def effect_list(self, run_id: str) -> Any:
         return self.call("effect.list", {"run_id": run_id})
 
+    # --- workers and the dispatch ledger ------------------------------------------------------
+
+    def worker_register(self, project_root: str, *, version: str | None = None) -> Any:
+        """This process becomes a worker -> ``{"worker_id", "heartbeat_ttl_ms", "existing"}``;
+        the leases it holds (over any connection) are the worker's."""
+        return self.call("worker.register", _given(project_root=project_root, version=version))
+
+    def worker_heartbeat(self, worker_id: str) -> Any:
+        return self.call("worker.heartbeat", {"worker_id": worker_id})
+
+    def worker_stopping(self, worker_id: str) -> Any:
+        return self.call("worker.stopping", {"worker_id": worker_id})
+
+    def worker_list(self, *, status: str | None = None, project_root: str | None = None) -> Any:
+        return self.call("worker.list", _given(status=status, project_root=project_root))
+
+    def dispatch_claim(
+        self,
+        worker_id: str,
+        lease_resource: str,
+        fencing_token: int,
+        unit_type: str,
+        unit_id: str,
+        milestone_id: str,
+        trace_id: str,
+        *,
+        slice_id: str | None = None,
+        task_id: str | None = None,
+        turn_id: str | None = None,
+        max_attempts: int | None = None,
+    ) -> Any:
+        """Claim a unit under the worker's lease -> ``{"dispatch_id", "attempt_n", "status"}``."""
+        return self.call(
+            "dispatch.claim",
+            _given(
+                worker_id=worker_id,
+                lease_resource=lease_resource,
+                fencing_token=fencing_token,
+                unit_type=unit_type,
+                unit_id=unit_id,
+                milestone_id=milestone_id,
+                trace_id=trace_id,
+                slice_id=slice_id,
+                task_id=task_id,
+                turn_id=turn_id,
+                max_attempts=max_attempts,
+            ),
+        )
+
+    def _dispatch(self, method: str, dispatch_id: int, worker_id: str, token: int, **more: Any):
+        return self.call(
+            method,
+            _given(dispatch_id=dispatch_id, worker_id=worker_id, fencing_token=token, **more),
+        )
+
+    def dispatch_start(self, dispatch_id: int, worker_id: str, fencing_token: int) -> Any:
+        return self._dispatch("dispatch.start", dispatch_id, worker_id, fencing_token)
+
+    def dispatch_complete(
+        self, dispatch_id: int, worker_id: str, fencing_token: int, exit_reason: str | None = None
+    ) -> Any:
+        return self._dispatch(
+            "dispatch.complete", dispatch_id, worker_id, fencing_token, exit_reason=exit_reason
+        )
+
+    def dispatch_fail(
+        self,
+        dispatch_id: int,
+        worker_id: str,
+        fencing_token: int,
+        error_code: str,
+        error_summary: str,
+        *,
+        retry_after_ms: int | None = None,
+    ) -> Any:
+        return self._dispatch(
+            "dispatch.fail", dispatch_id, worker_id, fencing_token, error_code=error_code,
+            error_summary=error_summary, retry_after_ms=retry_after_ms,
+        )  # fmt: skip
+
+    def dispatch_stuck(
+        self, dispatch_id: int, worker_id: str, fencing_token: int, reason: str
+    ) -> Any:
+        return self._dispatch(
+            "dispatch.stuck", dispatch_id, worker_id, fencing_token, reason=reason
+        )
+
+    def dispatch_pause(self, dispatch_id: int, worker_id: str, fencing_token: int) -> Any:
+        return self._dispatch("dispatch.pause", dispatch_id, worker_id, fencing_token)
+
+    def dispatch_cancel(
+        self, dispatch_id: int, worker_id: str, fencing_token: int, reason: str
+    ) -> Any:
+        return self._dispatch(
+            "dispatch.cancel", dispatch_id, worker_id, fencing_token, reason=reason
+        )
+
+    def dispatch_get(self, dispatch_id: int) -> Any:
+        return self.call("dispatch.get", {"dispatch_id": dispatch_id})
+
+    def dispatch_list(
+        self,
+        *,
+        unit_type: str | None = None,
+        unit_id: str | None = None,
+        milestone_id: str | None = None,
+        status: str | None = None,
+        worker_id: str | None = None,
+        limit: int | None = None,
+    ) -> Any:
+        """The most recent matching dispatches, oldest first."""
+        return self.call(
+            "dispatch.list",
+            _given(unit_type=unit_type, unit_id=unit_id, milestone_id=milestone_id,
+                   status=status, worker_id=worker_id, limit=limit),
+        )  # fmt: skip
+
+    def dispatch_recent(
+        self,
+        *,
+        worker_id: str | None = None,
+        project_root: str | None = None,
+        limit: int | None = None,
+    ) -> Any:
+        """Recent unit keys of a worker or a project, oldest first -> ``{"unit_keys"}``."""
+        return self.call(
+            "dispatch.recent",
+            _given(worker_id=worker_id, project_root=project_root, limit=limit),
+        )
+
+    def dispatch_stuck_report(self, project_root: str, *, window: int | None = None) -> Any:
+        return self.call("dispatch.stuck_report", _given(project_root=project_root, window=window))
+
+    def audit_list(
+        self,
+        *,
+        category: str | None = None,
+        type: str | None = None,
+        trace_id: str | None = None,
+        before: int | None = None,
+        limit: int | None = None,
+    ) -> Any:
+        """Audit events, newest first -> ``{"events", "next_before"}``."""
+        return self.call(
+            "audit.list",
+            _given(category=category, type=type, trace_id=trace_id, before=before, limit=limit),
+        )
+
+    # --- soft state ----------------------------------------------------------------------------
+
+    def kv_set(self, scope: str, key: str, value: Any, *, scope_id: str = "") -> Any:
+        return self.call(
+            "kv.set", {"scope": scope, "scope_id": scope_id, "key": key, "value": value}
+        )
+
+    def kv_get(self, scope: str, key: str, *, scope_id: str = "") -> Any:
+        return self.call("kv.get", {"scope": scope, "scope_id": scope_id, "key": key})
+
+    def kv_delete(self, scope: str, key: str, *, scope_id: str = "") -> Any:
+        return self.call("kv.delete", {"scope": scope, "scope_id": scope_id, "key": key})
+
+    def kv_list(
+        self,
+        scope: str,
+        *,
+        scope_id: str = "",
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> Any:
+        return self.call(
+            "kv.list", _given(scope=scope, scope_id=scope_id, after=after, limit=limit)
+        )
+
     # --- operator tools ------------------------------------------------------------------
 
     def backup(self, path: str, *, overwrite: bool = False) -> Any:

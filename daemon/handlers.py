@@ -14,15 +14,27 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import time
 from asyncio import Future
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from towerd.daemon.processes import holder_of
-from towerd.daemon.store import Store, effects, fleet, idempotency, leases, upkeep
+from towerd.daemon.store import (
+    Store,
+    audit,
+    dispatches,
+    effects,
+    fleet,
+    idempotency,
+    kv,
+    leases,
+    upkeep,
+    workers,
+)
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.legacy import import_legacy
 from towerd.daemon.store.status import status_counts
@@ -50,6 +62,8 @@ class DaemonInfo:
     started_at: int
     started_monotonic: float
     branch_prefix: str = "kxm/"  # run branches' prefix: a push to the run's own branch is unfenced
+    kv_max_value: int = m.DEFAULT_KV_MAX_VALUE  # bytes of one soft-state value, as msgpack
+    host: str = field(default_factory=socket.gethostname)
 
     @property
     def page_bytes(self) -> int:
@@ -105,6 +119,26 @@ class Handlers:
             "effect.resolve": self.effect_resolve,
             "effect.get": self.effect_get,
             "effect.list": self.effect_list,
+            "worker.register": self.worker_register,
+            "worker.heartbeat": self.worker_heartbeat,
+            "worker.stopping": self.worker_stopping,
+            "worker.list": self.worker_list,
+            "dispatch.claim": self.dispatch_claim,
+            "dispatch.start": self.dispatch_start,
+            "dispatch.complete": self.dispatch_complete,
+            "dispatch.fail": self.dispatch_fail,
+            "dispatch.stuck": self.dispatch_stuck,
+            "dispatch.pause": self.dispatch_pause,
+            "dispatch.cancel": self.dispatch_cancel,
+            "dispatch.get": self.dispatch_get,
+            "dispatch.list": self.dispatch_list,
+            "dispatch.recent": self.dispatch_recent,
+            "dispatch.stuck_report": self.dispatch_stuck_report,
+            "audit.list": self.audit_list,
+            "kv.set": self.kv_set,
+            "kv.get": self.kv_get,
+            "kv.delete": self.kv_delete,
+            "kv.list": self.kv_list,
             "backup": self.backup,
             "doctor": self.doctor,
         }
@@ -320,6 +354,142 @@ class Handlers:
     async def effect_list(self, caller: Caller, params: m.EffectListParams) -> m.EffectListResult:
         return m.EffectListResult(effects=await self.store.read(effects.list_run, params.run_id))
 
+    # --- workers and the dispatch ledger --------------------------------------------------
+
+    def worker_register(
+        self, caller: Caller, params: m.WorkerRegisterParams
+    ) -> Future[m.WorkerRegisterResult]:
+        return _holding(
+            caller,
+            self.store.write(
+                workers.register,
+                caller.principal,
+                caller.holder,
+                params.project_root,
+                params.version,
+                self.info.host,
+                self.store.config.worker_ttl_ms,
+            ),
+        )
+
+    def worker_heartbeat(self, caller: Caller, params: m.WorkerIdParams) -> Future[m.WorkerRecord]:
+        return self.store.write(workers.heartbeat, params.worker_id)
+
+    def worker_stopping(self, caller: Caller, params: m.WorkerIdParams) -> Future[m.WorkerRecord]:
+        return self.store.write(workers.stopping, caller.principal, caller.holder, params.worker_id)
+
+    async def worker_list(self, caller: Caller, params: m.WorkerListParams) -> m.WorkerListResult:
+        return await self.store.read(workers.list_workers, params.status, params.project_root)
+
+    def dispatch_claim(
+        self, caller: Caller, params: m.DispatchClaimParams
+    ) -> Future[m.DispatchClaimResult]:
+        return self.store.write(dispatches.claim, _actor(caller), params)
+
+    def _transition(self, caller: Caller, params: Any, status: str, **columns: Any) -> Future[Any]:
+        return self.store.write(
+            functools.partial(dispatches.transition, **columns),
+            _actor(caller),
+            params.dispatch_id,
+            params.worker_id,
+            params.fencing_token,
+            status,
+        )
+
+    def dispatch_start(self, caller: Caller, params: m.DispatchFenceParams) -> Future[Any]:
+        return self._transition(caller, params, "running")
+
+    def dispatch_complete(self, caller: Caller, params: m.DispatchCompleteParams) -> Future[Any]:
+        return self._transition(caller, params, "completed", exit_reason=params.exit_reason)
+
+    def dispatch_fail(self, caller: Caller, params: m.DispatchFailParams) -> Future[Any]:
+        return self._transition(
+            caller,
+            params,
+            "failed",
+            error_code=params.error_code,
+            error_summary=params.error_summary,
+            retry_after_ms=params.retry_after_ms,
+        )
+
+    def dispatch_stuck(self, caller: Caller, params: m.DispatchReasonParams) -> Future[Any]:
+        return self._transition(caller, params, "stuck", exit_reason=params.reason)
+
+    def dispatch_pause(self, caller: Caller, params: m.DispatchFenceParams) -> Future[Any]:
+        return self._transition(caller, params, "paused")
+
+    def dispatch_cancel(self, caller: Caller, params: m.DispatchReasonParams) -> Future[Any]:
+        return self._transition(caller, params, "canceled", exit_reason=params.reason)
+
+    def dispatch_get(self, caller: Caller, params: m.DispatchIdParams) -> m.DispatchRecord:
+        return self.store.read_now(dispatches.get, params.dispatch_id)
+
+    async def dispatch_list(
+        self, caller: Caller, params: m.DispatchListParams
+    ) -> m.DispatchListResult:
+        return await self.store.read(
+            dispatches.list_dispatches,
+            params.unit_type,
+            params.unit_id,
+            params.milestone_id,
+            params.status,
+            params.worker_id,
+            params.limit,
+        )
+
+    async def dispatch_recent(
+        self, caller: Caller, params: m.DispatchRecentParams
+    ) -> m.DispatchRecentResult:
+        if (params.worker_id is None) == (params.project_root is None):
+            raise BadArgs("dispatch.recent: give exactly one of `worker_id` and `project_root`")
+        return await self.store.read(
+            dispatches.recent_unit_keys, params.worker_id, params.project_root, params.limit
+        )
+
+    async def dispatch_stuck_report(
+        self, caller: Caller, params: m.DispatchStuckReportParams
+    ) -> m.DispatchStuckReportResult:
+        return await self.store.read(dispatches.stuck_report, params.project_root, params.window)
+
+    async def audit_list(self, caller: Caller, params: m.AuditListParams) -> m.AuditListResult:
+        return await self.store.read(
+            audit.list_events,
+            params.category,
+            params.type,
+            params.trace_id,
+            params.before,
+            params.limit,
+            self.info.page_bytes,
+        )
+
+    # --- soft state ---------------------------------------------------------------------------
+
+    def kv_set(self, caller: Caller, params: m.KvSetParams) -> Future[m.KvEntry]:
+        return self.store.write(
+            kv.set_value,
+            params.scope,
+            params.scope_id,
+            params.key,
+            params.value,
+            self.info.kv_max_value,
+        )
+
+    def kv_get(self, caller: Caller, params: m.KvKeyParams) -> m.KvEntry:
+        return self.store.read_now(kv.get_value, params.scope, params.scope_id, params.key)
+
+    def kv_delete(self, caller: Caller, params: m.KvKeyParams) -> Future[m.KvDeleteResult]:
+        return self.store.write(kv.delete_value, params.scope, params.scope_id, params.key)
+
+    async def kv_list(self, caller: Caller, params: m.KvListParams) -> m.KvListResult:
+        return await self.store.read(
+            kv.list_values,
+            params.scope,
+            params.scope_id,
+            params.after,
+            params.limit,
+            self.info.page_bytes,
+        )
+
     # --- operator tools -----------------------------------------------------------------
 
     async def backup(self, caller: Caller, params: m.BackupParams) -> m.BackupResult:
@@ -329,6 +499,11 @@ class Handlers:
 
     async def doctor(self, caller: Caller, params: m.DoctorParams) -> m.DoctorResult:
         return await self.store.on_own_connection(upkeep.health, params.full)
+
+
+def _actor(caller: Caller) -> str:
+    """Who an audit event names as the cause of a change."""
+    return f"{caller.principal} pid {caller.pid}"
 
 
 def _note_own_claim(caller: Caller, claimed: Future[Any]) -> None:

@@ -33,6 +33,7 @@ from towerd.daemon.server import Limits, Server, bind_private_socket
 from towerd.daemon.store import StoreConfig, open_store
 from towerd.daemon.store.tx import now_ms
 from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
+from towerd.protocol.methods import DEFAULT_KV_MAX_VALUE
 from towerd.protocol.paths import default_socket_path, default_state_dir
 
 EXIT_OK = 0
@@ -59,6 +60,9 @@ class DaemonConfig:
     send_timeout: float = 10.0
     log_level: str = "info"
     branch_prefix: str = "kxm/"
+    worker_ttl_seconds: float = 60.0
+    retention_days: float = 30.0
+    kv_max_value: int = DEFAULT_KV_MAX_VALUE
 
 
 class StopRequest:
@@ -107,7 +111,10 @@ async def _run(config: DaemonConfig, stop: StopRequest) -> None:
     )
     try:
         store_config = StoreConfig(
-            state_dir, completed_ttl_ms=int(config.completed_ttl_seconds * 1000)
+            state_dir,
+            completed_ttl_ms=int(config.completed_ttl_seconds * 1000),
+            worker_ttl_ms=int(config.worker_ttl_seconds * 1000),
+            retention_ms=int(config.retention_days * 86_400_000),
         )
         async with open_store(store_config) as store:
             log.info(
@@ -135,6 +142,7 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
             started_at=now_ms(),
             started_monotonic=time.monotonic(),
             branch_prefix=config.branch_prefix,
+            kv_max_value=config.kv_max_value,
         ),
         request_shutdown=stop.request,
     )
@@ -291,6 +299,27 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         help="prefix of run branches: a push to the run's own branch needs no lease (kxm/)",
     )
     parser.add_argument(
+        "--worker-ttl",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a worker whose last heartbeat is older is reaped as crashed (default 60)",
+    )
+    parser.add_argument(
+        "--retention-days",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="audit events, settled dispatches and ended workers older are pruned (30)",
+    )
+    parser.add_argument(
+        "--kv-max-value",
+        type=int,
+        default=DEFAULT_KV_MAX_VALUE,
+        metavar="BYTES",
+        help="largest soft-state value, msgpack-encoded (default 65536)",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -314,6 +343,9 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         send_timeout=args.send_timeout,
         log_level=args.log_level,
         branch_prefix=args.branch_prefix,
+        worker_ttl_seconds=args.worker_ttl,
+        retention_days=args.retention_days,
+        kv_max_value=args.kv_max_value,
     )
     return config, args
 

@@ -15,7 +15,7 @@ import anyio
 import structlog
 
 from towerd.daemon.processes import is_alive
-from towerd.daemon.store import Store, idempotency, liveness, upkeep
+from towerd.daemon.store import Store, idempotency, liveness, retention, upkeep
 from towerd.daemon.store.idempotency import Holder
 
 log = structlog.get_logger("towerd.maintenance")
@@ -39,11 +39,22 @@ class HolderSweep:
             await self.sweep_once()
 
     async def sweep_once(self) -> int:
-        holders, silent = await self.store.read(liveness.to_check)
+        ttl = self.store.config.worker_ttl_ms
+        holders, silent = await self.store.read(liveness.to_check, ttl)
         dead = [holder for holder in holders if not is_alive(holder)]
         if not dead and not silent:
             return 0  # nothing to write: no commit, no fsync
-        report = await self.store.write(liveness.settle, dead)
+        report = await self.store.write(liveness.settle, dead, ttl)
+        for end in report.workers_ended:
+            log.warning(
+                "worker_ended",
+                code="worker_crashed" if end.worker.status == "crashed" else "worker_exited",
+                worker_id=end.worker.worker_id,
+                pid=end.worker.pid,
+                reason=end.worker.end_reason,
+            )
+        for dispatch_id in report.dispatches_canceled:
+            log.warning("dispatch_canceled_worker_ended", dispatch_id=dispatch_id)
         for principal, operation, key in report.keys_unknown:
             log.warning(
                 "holder_died",
@@ -63,15 +74,21 @@ class HolderSweep:
             + len(report.keys_completed)
             + len(report.leases_released)
             + len(report.effects_parked)
+            + len(report.workers_ended)
         )
 
 
 async def expire_periodically(store: Store, interval: float) -> None:
+    """Expire old completed keys, and prune the audit log, settled dispatches and ended
+    workers past the retention age (never a row that is still active)."""
     while True:
         await anyio.sleep(interval)
         expired = await store.write(idempotency.expire_completed, store.config.completed_ttl_ms)
         if expired:
             log.info("keys_expired", count=expired)
+        pruned = await store.write(retention.prune_history, store.config.retention_ms)
+        if any(pruned.values()):
+            log.info("history_pruned", **pruned)
 
 
 CHECKPOINT_MIN_WAL_BYTES = 4 * 1024 * 1024

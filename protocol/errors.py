@@ -195,6 +195,27 @@ class EffectNotFound(TowerdError):
     code = "effect_not_found"
 
 
+# --- the work-dispatch ledger ---------------------------------------------------------
+
+
+class AlreadyActive(TowerdError):
+    """The unit has an active dispatch (``data.dispatch``); at most one at a time."""
+
+    code = "already_active"
+
+
+class AttemptsExhausted(TowerdError):
+    """The unit has used every attempt ``max_attempts`` allows."""
+
+    code = "attempts_exhausted"
+
+
+class NotBefore(TowerdError):
+    """The unit's last failure asked for a pause: ``data.next_run_at``."""
+
+    code = "not_before"
+
+
 _CLASSES: dict[str, type[TowerdError]] = {
     cls.code: cls
     for cls in (
@@ -226,6 +247,9 @@ _CLASSES: dict[str, type[TowerdError]] = {
         EffectLeaseSuperseded,
         EffectAttemptSuperseded,
         EffectNotFound,
+        AlreadyActive,
+        AttemptsExhausted,
+        NotBefore,
     )
 }
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from towerd.daemon.processes import is_alive
+from towerd.daemon.store import audit
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import LeaseExpired, LeaseHeld, LeaseNotFound, LeaseSuperseded
@@ -116,6 +117,19 @@ def acquire(
             resource, current.token, expires_at, describe_holder(principal, holder), True
         )
     token = _issue_token(tx, resource)
+    _write(tx, resource, token, principal, holder, expires_at)
+    _audit(
+        tx, "lease-granted", resource, token, principal, holder,
+        expires_at=expires_at, previous_token=current.token if current else None,
+    )  # fmt: skip
+    return LeaseAcquireResult(
+        resource, token, expires_at, describe_holder(principal, holder), False
+    )
+
+
+def _write(
+    tx: Tx, resource: str, token: int, principal: str, holder: Holder | None, expires_at: int
+) -> None:
     tx.conn.execute(
         f"""INSERT OR REPLACE INTO leases ({_COLUMNS}, daemon_id)
             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
@@ -131,9 +145,30 @@ def acquire(
             tx.daemon_id,
         ),
     )
-    return LeaseAcquireResult(
-        resource, token, expires_at, describe_holder(principal, holder), False
-    )
+
+
+def _audit(
+    tx: Tx,
+    type: str,
+    resource: str,
+    token: int,
+    principal: str,
+    holder: Holder | None,
+    *,
+    actor: str | None = None,
+    caused_by: str | None = None,
+    **details: object,
+) -> None:
+    audit.record(
+        tx,
+        "lease",
+        type,
+        {"resource": resource, "fencing_token": token,
+         "holder": describe_holder(principal, holder), **details},
+        actor=actor or describe_holder(principal, holder),
+        trace_id=resource,
+        caused_by=caused_by,
+    )  # fmt: skip
 
 
 def _require_current(
@@ -176,14 +211,20 @@ def release(
 ) -> LeaseReleaseResult:
     _require_current(tx, principal, holder, resource, token)
     tx.conn.execute("DELETE FROM leases WHERE resource = ?", (resource,))
+    _audit(tx, "lease-released", resource, token, principal, holder, reason="released")
     return LeaseReleaseResult(resource=resource, fencing_token=token, released=True)
 
 
 def drop(tx: Tx, resource: str, token: int) -> None:
     """Release a lease held under ``token``, whoever asks (an effect settling)."""
-    tx.conn.execute(
-        "DELETE FROM leases WHERE resource = ? AND fencing_token = ?", (resource, token)
-    )
+    lease = load(tx, resource)
+    if lease is None or lease.token != token:
+        return
+    tx.conn.execute("DELETE FROM leases WHERE resource = ?", (resource,))
+    _audit(
+        tx, "lease-released", resource, token, lease.principal, lease.holder,
+        reason="effect-settled",
+    )  # fmt: skip
 
 
 def extend(tx: Tx, lease: Lease | None, resource: str, token: int, principal: str,
@@ -197,21 +238,8 @@ def extend(tx: Tx, lease: Lease | None, resource: str, token: int, principal: st
             (tx.now, expires_at, resource),
         )
         return expires_at
-    tx.conn.execute(
-        f"""INSERT OR REPLACE INTO leases ({_COLUMNS}, daemon_id)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
-        (
-            resource,
-            token,
-            principal,
-            holder.pid if holder else None,
-            holder.start if holder else None,
-            tx.now,
-            tx.now,
-            expires_at,
-            tx.daemon_id,
-        ),
-    )
+    _write(tx, resource, token, principal, holder, expires_at)
+    _audit(tx, "lease-restored", resource, token, principal, holder, expires_at=expires_at)
     return expires_at
 
 
@@ -243,11 +271,20 @@ def release_dead_holders(tx: Tx, dead: Iterable[Holder]) -> list[str]:
     """A dead holder's leases go at once, not at their deadline; the tokens stay used."""
     released: list[str] = []
     for holder in dead:
-        released += [
-            row[0]
-            for row in tx.conn.execute(
-                "DELETE FROM leases WHERE holder_pid = ? AND holder_start = ? RETURNING resource",
-                (holder.pid, holder.start),
-            )
-        ]
+        released += release_held_by(tx, holder, "holder-died")
     return released
+
+
+def release_held_by(tx: Tx, holder: Holder, reason: str, caused_by: str | None = None) -> list[str]:
+    """Release every lease ``holder`` has (it died, or its worker was reaped)."""
+    rows = tx.conn.execute(
+        "DELETE FROM leases WHERE holder_pid = ? AND holder_start = ? "
+        "RETURNING resource, fencing_token, principal",
+        (holder.pid, holder.start),
+    ).fetchall()
+    for resource, token, principal in rows:
+        _audit(
+            tx, "lease-released", resource, token, principal, holder,
+            actor=audit.DAEMON_ACTOR, caused_by=caused_by, reason=reason,
+        )  # fmt: skip
+    return [resource for resource, _token, _principal in rows]

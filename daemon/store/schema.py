@@ -19,7 +19,7 @@ from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import StartRefused
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,86 @@ MIGRATIONS: tuple[Migration, ...] = (
             ) STRICT""",
             "CREATE INDEX effects_by_run ON effects (run_id)",
             "CREATE INDEX effects_in_flight ON effects (status) WHERE status = 'in_flight'",
+        ),
+    ),
+    Migration(
+        4,
+        "workers, the work-dispatch ledger, the audit log, soft key-value state",
+        (
+            """CREATE TABLE workers (
+                worker_id TEXT PRIMARY KEY,
+                principal TEXT NOT NULL,
+                host TEXT NOT NULL,
+                pid INTEGER NOT NULL,
+                process_start INTEGER NOT NULL,
+                version TEXT,
+                project_root TEXT NOT NULL,
+                status TEXT NOT NULL CHECK (status IN ('active', 'stopping', 'crashed')),
+                registered_at INTEGER NOT NULL,
+                heartbeat_at INTEGER NOT NULL,
+                ended_at INTEGER,
+                end_reason TEXT,
+                daemon_id TEXT NOT NULL
+            ) STRICT""",
+            # One live worker per process: a retried register answers the same worker.
+            """CREATE UNIQUE INDEX workers_live_per_process ON workers (pid, process_start)
+               WHERE ended_at IS NULL""",
+            "CREATE INDEX workers_by_project ON workers (project_root)",
+            """CREATE TABLE dispatches (
+                dispatch_id INTEGER PRIMARY KEY,
+                unit_type TEXT NOT NULL,
+                unit_id TEXT NOT NULL,
+                milestone_id TEXT NOT NULL,
+                slice_id TEXT,
+                task_id TEXT,
+                trace_id TEXT NOT NULL,
+                turn_id TEXT,
+                worker_id TEXT NOT NULL,
+                lease_resource TEXT NOT NULL,
+                fencing_token INTEGER NOT NULL,
+                status TEXT NOT NULL CHECK (status IN ('claimed', 'running', 'completed',
+                    'failed', 'stuck', 'canceled', 'paused')),
+                attempt_n INTEGER NOT NULL CHECK (attempt_n >= 1),
+                max_attempts INTEGER NOT NULL CHECK (max_attempts >= 1),
+                claimed_at INTEGER NOT NULL,
+                started_at INTEGER,
+                ended_at INTEGER,
+                exit_reason TEXT,
+                error_code TEXT,
+                error_summary TEXT,
+                retry_after_ms INTEGER,
+                next_run_at INTEGER,
+                CHECK ((status IN ('claimed', 'running')) = (ended_at IS NULL))
+            ) STRICT""",
+            # At most one active dispatch per unit, enforced by SQLite itself.
+            """CREATE UNIQUE INDEX dispatches_active_per_unit ON dispatches (unit_type, unit_id)
+               WHERE status IN ('claimed', 'running')""",
+            "CREATE INDEX dispatches_by_unit ON dispatches (unit_type, unit_id)",
+            "CREATE INDEX dispatches_by_worker ON dispatches (worker_id)",
+            "CREATE INDEX dispatches_by_milestone ON dispatches (milestone_id, status)",
+            "CREATE INDEX dispatches_settled ON dispatches (ended_at) WHERE ended_at IS NOT NULL",
+            """CREATE TABLE audit_events (
+                seq INTEGER PRIMARY KEY,
+                event_id TEXT NOT NULL UNIQUE,
+                trace_id TEXT,
+                turn_id TEXT,
+                caused_by TEXT,
+                category TEXT NOT NULL CHECK (category IN ('worker', 'lease', 'dispatch')),
+                type TEXT NOT NULL,
+                ts INTEGER NOT NULL,
+                actor TEXT NOT NULL,
+                payload BLOB
+            ) STRICT""",
+            "CREATE INDEX audit_by_ts ON audit_events (ts)",
+            "CREATE INDEX audit_by_trace ON audit_events (trace_id)",
+            """CREATE TABLE kv (
+                scope TEXT NOT NULL CHECK (scope IN ('global', 'worker', 'milestone')),
+                scope_id TEXT NOT NULL,
+                key TEXT NOT NULL,
+                value BLOB NOT NULL,
+                updated_at INTEGER NOT NULL,
+                PRIMARY KEY (scope, scope_id, key)
+            ) STRICT, WITHOUT ROWID""",
         ),
     ),
 )

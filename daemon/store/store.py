@@ -31,7 +31,7 @@ from towerd.daemon.store import schema
 from towerd.daemon.store.reconcile import start_daemon
 from towerd.daemon.store.tx import Refused, Tx, now_ms, translate_sqlite_error
 from towerd.protocol.errors import StaleEpoch, Unavailable
-from towerd.protocol.methods import ReconcileReport
+from towerd.protocol.methods import DEFAULT_WORKER_TTL_MS, ReconcileReport
 
 T = TypeVar("T")
 
@@ -45,6 +45,8 @@ BUSY_TIMEOUT_MS = 5000
 class StoreConfig:
     state_dir: Path
     completed_ttl_ms: int = DAY_MS
+    worker_ttl_ms: int = DEFAULT_WORKER_TTL_MS  # a worker silent this long is reaped
+    retention_ms: int = 30 * DAY_MS  # audit events, settled dispatches, ended workers
     max_batch: int = 256
     # Open the store as this daemon id instead of the state dir's own (several
     # daemons sharing one store; tests of ownership between daemons).

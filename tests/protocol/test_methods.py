@@ -133,6 +133,18 @@ def test_method_table_is_closed_and_consistent() -> None:
         "effect.abort",
         "effect.fail",
         "effect.resolve",
+        "worker.register",
+        "worker.heartbeat",
+        "worker.stopping",
+        "dispatch.claim",
+        "dispatch.start",
+        "dispatch.complete",
+        "dispatch.fail",
+        "dispatch.stuck",
+        "dispatch.pause",
+        "dispatch.cancel",
+        "kv.set",
+        "kv.delete",
     }
 
 

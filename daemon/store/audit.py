@@ -1,0 +1,74 @@
+"""The audit log: one event per state change of a worker, a lease or a dispatch,
+written by the store function that makes the change, in the same transaction.
+
+So the log and the rows can never disagree: a change that rolls back takes its
+event with it, and a committed change always has one. Lease renewals and worker
+heartbeats are not logged: they only move a deadline, and a fleet heartbeating
+every few seconds would bury the changes that matter.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from towerd.daemon.store.tx import Tx, pack, take_page, unpack
+from towerd.protocol.methods import AuditEvent, AuditListResult
+
+DAEMON_ACTOR = "daemon"  # the daemon's own upkeep: reaping, retention
+
+
+def record(
+    tx: Tx,
+    category: str,
+    type: str,
+    payload: dict[str, Any],
+    *,
+    actor: str = DAEMON_ACTOR,
+    trace_id: str | None = None,
+    turn_id: str | None = None,
+    caused_by: str | None = None,
+    event_id: str | None = None,
+) -> str:
+    """Append one event (idempotent by ``event_id``); returns its id, for ``caused_by``."""
+    event_id = event_id or str(uuid.uuid4())
+    tx.conn.execute(
+        """INSERT INTO audit_events
+               (event_id, trace_id, turn_id, caused_by, category, type, ts, actor, payload)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+           ON CONFLICT (event_id) DO NOTHING""",
+        (event_id, trace_id, turn_id, caused_by, category, type, tx.now, actor, pack(payload)),
+    )
+    return event_id
+
+
+_COLUMNS = "seq, event_id, trace_id, turn_id, caused_by, category, type, ts, actor, payload"
+
+
+def list_events(
+    tx: Tx,
+    category: str | None,
+    type: str | None,
+    trace_id: str | None,
+    before: int | None,
+    limit: int,
+    byte_budget: int,
+) -> AuditListResult:
+    """Newest first, paged by ``seq``: ``next_before`` continues where a page ended."""
+    where, args = ["seq < ?"], [before if before is not None else 2**63 - 1]
+    for column, value in (("category", category), ("type", type), ("trace_id", trace_id)):
+        if value is not None:
+            where.append(f"{column} = ?")
+            args.append(value)
+    rows = tx.conn.execute(
+        f"SELECT {_COLUMNS} FROM audit_events WHERE {' AND '.join(where)} "
+        "ORDER BY seq DESC LIMIT ?",
+        (*args, limit + 1),
+    ).fetchall()
+    events = [(row[0], AuditEvent(*row[:9], payload=unpack(row[9]))) for row in rows]
+    page, next_before = take_page(events, limit, byte_budget)
+    return AuditListResult(events=page, next_before=next_before)
+
+
+def prune(tx: Tx, cutoff: int) -> int:
+    return tx.conn.execute("DELETE FROM audit_events WHERE ts < ?", (cutoff,)).rowcount

@@ -1,0 +1,66 @@
+"""Soft-state key-value rows: UI cursors, dashboard caches, last-seen markers.
+
+Invariant (documented in docs/protocol.md): nothing that drives control flow
+lives here. Losing any row must never cause a double execution, a reordering or
+a stuck loop; what does drive control flow has typed columns in the dispatch,
+worker, lease and effect tables, with their fences.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from towerd.daemon.store.tx import Tx, pack, take_page, unpack
+from towerd.protocol.errors import BadArgs, NotFound
+from towerd.protocol.methods import KvDeleteResult, KvEntry, KvListResult
+
+
+def set_value(tx: Tx, scope: str, scope_id: str, key: str, value: Any, max_bytes: int) -> KvEntry:
+    packed = pack(value)
+    if len(packed) > max_bytes:
+        raise BadArgs(
+            f"the value of {scope}/{scope_id}/{key} is {len(packed)} bytes as msgpack; "
+            f"the limit is {max_bytes}",
+            {"bytes": len(packed), "max_bytes": max_bytes},
+        )
+    tx.conn.execute(
+        """INSERT INTO kv (scope, scope_id, key, value, updated_at) VALUES (?, ?, ?, ?, ?)
+           ON CONFLICT (scope, scope_id, key)
+           DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at""",
+        (scope, scope_id, key, packed, tx.now),
+    )
+    return KvEntry(scope, scope_id, key, value, tx.now)
+
+
+def get_value(tx: Tx, scope: str, scope_id: str, key: str) -> KvEntry:
+    row = tx.conn.execute(
+        "SELECT value, updated_at FROM kv WHERE scope = ? AND scope_id = ? AND key = ?",
+        (scope, scope_id, key),
+    ).fetchone()
+    if row is None:
+        raise NotFound(
+            f"no value {key!r} in {scope} scope {scope_id!r}",
+            {"scope": scope, "scope_id": scope_id, "key": key},
+        )
+    return KvEntry(scope, scope_id, key, unpack(row[0]), row[1])
+
+
+def delete_value(tx: Tx, scope: str, scope_id: str, key: str) -> KvDeleteResult:
+    deleted = tx.conn.execute(
+        "DELETE FROM kv WHERE scope = ? AND scope_id = ? AND key = ?", (scope, scope_id, key)
+    ).rowcount
+    return KvDeleteResult(deleted=deleted > 0)
+
+
+def list_values(
+    tx: Tx, scope: str, scope_id: str, after: str | None, limit: int, byte_budget: int
+) -> KvListResult:
+    """By key, paged: ``next_after`` continues after the last key of a page."""
+    rows = tx.conn.execute(
+        "SELECT key, value, updated_at FROM kv WHERE scope = ? AND scope_id = ? AND key > ? "
+        "ORDER BY key LIMIT ?",
+        (scope, scope_id, after if after is not None else "", limit + 1),
+    ).fetchall()
+    entries = [(key, KvEntry(scope, scope_id, key, unpack(value), at)) for key, value, at in rows]
+    page, next_after = take_page(entries, limit, byte_budget)  # type: ignore[arg-type]
+    return KvListResult(entries=page, next_after=next_after)  # type: ignore[arg-type]
