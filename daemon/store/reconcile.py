@@ -95,6 +95,7 @@ def start_daemon(
                WHERE state = 'in_progress' AND daemon_id = ?""",
             (now, daemon_id),
         ).rowcount
+        restart_silence_clocks(tx)
         report.completed_from_evidence, report.still_unknown = settle_from_evidence(tx)
         report.expired = expire_completed(tx, completed_ttl_ms)
         crash_point("reconcile.before_commit")
@@ -104,6 +105,20 @@ def start_daemon(
             conn.execute("ROLLBACK")
         raise
     return tx, report
+
+
+def restart_silence_clocks(tx: Tx) -> None:
+    """Nobody can heartbeat a daemon that is not running: the silence deadlines of
+    workers and in-flight effects start again at start-up. Dead processes are still
+    found by the liveness sweep within a second."""
+    tx.conn.execute(
+        "UPDATE workers SET heartbeat_at = ? WHERE ended_at IS NULL AND heartbeat_at < ?",
+        (tx.now, tx.now),
+    )
+    tx.conn.execute(
+        "UPDATE effects SET heartbeat_at = ? WHERE status = 'in_flight' AND heartbeat_at < ?",
+        (tx.now, tx.now),
+    )
 
 
 def settle_from_evidence(tx: Tx) -> tuple[int, int]:

@@ -281,3 +281,28 @@ async def test_dead_holder_keys_settle_from_evidence_without_a_restart(
             "alive": "in_progress",
         }
         assert (await record(store, "session.spawn", "ev")).result["session_id"] == with_row
+
+
+@pytest.mark.anyio
+async def test_a_live_workers_silence_clock_restarts_with_the_daemon(short_tmp: Path) -> None:
+    """A worker cannot heartbeat while no daemon runs: after a long outage its TTL
+    counts from the restart, so a live worker is not reaped as silent; a dead one
+    still goes at the first sweep."""
+    import os
+
+    from towerd.daemon.processes import holder_of
+    from towerd.daemon.store import liveness, workers
+
+    me = holder_of(os.getpid())
+    async with opened(short_tmp) as store:
+        result = await store.write(workers.register, "p", me, str(short_tmp), None, "host", 60_000)
+    worker_id = result.worker_id
+    execute(short_tmp, "UPDATE workers SET heartbeat_at = 1000 WHERE worker_id = ?", (worker_id,))
+    async with opened(short_tmp) as store:
+        (beat,) = query(short_tmp, "SELECT heartbeat_at FROM workers")[0]
+        assert beat > 1000
+        report = await store.write(liveness.settle, [], 60_000)
+        assert report.workers_ended == []
+        report = await store.write(liveness.settle, [me], 60_000)  # its process died
+        assert [end.worker.worker_id for end in report.workers_ended] == [worker_id]
+        assert report.workers_ended[0].worker.end_reason == "process-gone"

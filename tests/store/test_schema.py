@@ -13,7 +13,7 @@ import pytest
 
 from store_helpers import db_path, execute, opened, query, register, state_dir
 from towerd.daemon.private_paths import StartRefused
-from towerd.daemon.store import schema
+from towerd.daemon.store import reconcile, schema
 
 CURRENT = schema.SCHEMA_VERSION  # the ladder grows; these tests add the step after it
 
@@ -356,6 +356,8 @@ async def test_a_version_1_database_climbs_the_whole_ladder(
     backup is a sound v1 file."""
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
     monkeypatch.setattr(schema, "SCHEMA_VERSION", 1)
+    # The version-1 code had no workers or effects whose clocks to restart.
+    monkeypatch.setattr(reconcile, "restart_silence_clocks", lambda tx: None)
     await populated(short_tmp, rows=4)
     monkeypatch.undo()
     assert query(short_tmp, "PRAGMA user_version") == [(1,)]
