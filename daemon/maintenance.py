@@ -27,16 +27,24 @@ class HolderSweep:
         self.interval = interval
         self._wakeup = anyio.Event()
 
+    # A process that closes its socket and then exits is still alive at the first
+    # sweep; one more sweep this soon after catches it without waiting a full interval.
+    RECHECK_AFTER_DISCONNECT = 0.25
+
     def poke(self, _holder: Holder | None = None) -> None:
         """Sweep soon (a holder's connection closed)."""
         self._wakeup.set()
 
     async def run(self) -> None:
+        recheck = False
         while True:
-            with anyio.move_on_after(self.interval):
+            wait = min(self.interval, self.RECHECK_AFTER_DISCONNECT) if recheck else self.interval
+            with anyio.move_on_after(wait):
                 await self._wakeup.wait()
+            poked = self._wakeup.is_set()
             self._wakeup = anyio.Event()
             await self.sweep_once()
+            recheck = poked
 
     async def sweep_once(self) -> int:
         ttl = self.store.config.worker_ttl_ms
