@@ -38,6 +38,14 @@ EXIT_EPILOG = (
     "CMD's own status may be any of these: use --json to tell them apart"
 )
 
+# The wire's enumerations (towerd.protocol.methods has them as Literals, but importing it
+# pulls in msgspec); tests/client/test_cli_parser.py keeps these in step.
+KV_SCOPES = ("global", "worker", "milestone")
+WORKER_STATUSES = ("active", "stopping", "crashed")
+DISPATCH_STATUSES = ("claimed", "running", "completed", "failed", "stuck", "canceled", "paused")
+AUDIT_CATEGORIES = ("worker", "lease", "dispatch")
+AUDIT_PAGE = 500  # the most events one audit.list call returns
+
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -271,6 +279,74 @@ def cmd_effects_resolve(client: Client, args: argparse.Namespace) -> Any:
     )
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1 (a bad one is a usage error, exit 2)."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return number
+
+
+def cmd_kv_set(client: Client, args: argparse.Namespace) -> Any:
+    value = _json_arg(args.value, "VALUE_JSON")
+    return client.kv_set(args.scope, args.key, value, scope_id=args.scope_id)
+
+
+def cmd_kv_list(client: Client, args: argparse.Namespace) -> Any:
+    entries: list[Any] = []
+    after = None
+    while True:
+        page = client.kv_list(args.scope, scope_id=args.scope_id, after=after)
+        entries += page["entries"]
+        after = page.get("next_after")
+        if after is None:
+            return {"entries": entries}
+
+
+def cmd_workers(client: Client, args: argparse.Namespace) -> Any:
+    root = os.path.abspath(args.project_root) if args.project_root is not None else None
+    return client.worker_list(status=args.status, project_root=root)
+
+
+def cmd_dispatch_list(client: Client, args: argparse.Namespace) -> Any:
+    return client.dispatch_list(
+        unit_type=args.unit_type,
+        unit_id=args.unit_id,
+        milestone_id=args.milestone,
+        status=args.status,
+        worker_id=args.worker,
+        limit=args.limit,
+    )
+
+
+def cmd_dispatch_stuck(client: Client, args: argparse.Namespace) -> Any:
+    root = os.path.realpath(args.project_root if args.project_root is not None else os.getcwd())
+    return client.dispatch_stuck_report(root, window=args.window)
+
+
+def cmd_audit(client: Client, args: argparse.Namespace) -> Any:
+    """The newest ``--limit`` matching events (newest first), over as many pages as that
+    takes; ``next_before`` continues with ``--before``."""
+    events: list[Any] = []
+    before = args.before
+    while len(events) < args.limit:
+        page = client.audit_list(
+            category=args.category,
+            type=args.type,
+            trace_id=args.trace_id,
+            before=before,
+            limit=min(args.limit - len(events), AUDIT_PAGE),
+        )
+        events += page["events"]
+        before = page.get("next_before")
+        if before is None or not page["events"]:
+            break
+    return {"events": events, "next_before": before}
+
+
 # --- output ------------------------------------------------------------------------------
 
 
@@ -280,6 +356,11 @@ def _jsonable(value: Any) -> Any:
 
         return base64.b64encode(value).decode()
     raise TypeError(f"cannot show {type(value).__name__} as JSON")
+
+
+def _is_time(key: str) -> bool:
+    """Fields holding milliseconds since the epoch, shown as UTC times."""
+    return key.endswith("_at") or key == "ts"
 
 
 def _when(millis: Any) -> str:
@@ -302,10 +383,7 @@ def _table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> st
     cells = [[title for _key, title in columns]]
     for row in rows:
         cells.append(
-            [
-                _when(row.get(key)) if key.endswith("_at") else _cell(row.get(key))
-                for key, _ in columns
-            ]
+            [_when(row.get(key)) if _is_time(key) else _cell(row.get(key)) for key, _ in columns]
         )
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join(
@@ -321,7 +399,7 @@ def _pairs(mapping: dict[str, Any], indent: str = "") -> str:
             lines.append(f"{indent}{key}:")
             lines.append(_pairs(value, indent + "  "))
         else:
-            shown = _when(value) if key.endswith("_at") else _cell(value)
+            shown = _when(value) if _is_time(key) else _cell(value)
             lines.append(f"{indent}{key}: {shown}")
     return "\n".join(lines)
 
@@ -407,6 +485,108 @@ def render_leases(result: dict[str, Any]) -> str:
     )
 
 
+def _clip(text: str, width: int = 60) -> str:
+    """One line of at most ``width`` characters (whitespace runs become one space)."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _value_json(value: Any) -> str:
+    return _json().dumps(value, sort_keys=True, default=_jsonable)
+
+
+def render_kv_value(result: dict[str, Any]) -> str:
+    """``kv get``: the value alone, as JSON, for scripts."""
+    return _value_json(result["value"])
+
+
+def render_kv_entry(result: dict[str, Any]) -> str:
+    return _pairs({**result, "value": _value_json(result["value"])})
+
+
+def render_kv_list(result: dict[str, Any]) -> str:
+    rows = [
+        {"key": entry["key"], "updated_at": entry["updated_at"],
+         "value": _clip(_value_json(entry["value"]))}
+        for entry in result["entries"]
+    ]  # fmt: skip
+    return _table(rows, [("key", "KEY"), ("updated_at", "UPDATED"), ("value", "VALUE")])
+
+
+def render_workers(result: dict[str, Any]) -> str:
+    return _table(
+        result["workers"],
+        [
+            ("worker_id", "WORKER"),
+            ("status", "STATUS"),
+            ("pid", "PID"),
+            ("host", "HOST"),
+            ("project_root", "PROJECT"),
+            ("heartbeat_at", "HEARTBEAT"),
+            ("end_reason", "ENDED_REASON"),
+        ],
+    )
+
+
+def _dispatch_reason(row: dict[str, Any]) -> str | None:
+    """Why it ended: the error of a failed attempt, else its exit reason."""
+    error = [part for part in (row.get("error_code"), row.get("error_summary")) if part]
+    if error:
+        return _clip(": ".join(error))
+    reason = row.get("exit_reason")
+    return _clip(reason) if reason else None
+
+
+def render_dispatches(result: dict[str, Any]) -> str:
+    rows = [
+        {
+            **row,
+            "attempt": f"{row['attempt_n']}/{row['max_attempts']}",
+            "reason": _dispatch_reason(row),
+        }
+        for row in result["dispatches"]
+    ]
+    return _table(
+        rows,
+        [
+            ("dispatch_id", "ID"),
+            ("unit_key", "UNIT"),
+            ("status", "STATUS"),
+            ("attempt", "ATTEMPT"),
+            ("worker_id", "WORKER"),
+            ("claimed_at", "CLAIMED"),
+            ("reason", "EXIT_REASON/ERROR"),
+        ],
+    )
+
+
+def render_stuck(result: dict[str, Any]) -> str:
+    def line(verdict: dict[str, Any]) -> str:
+        return f"{verdict['rule']} {verdict['unit_key']} \u2014 {verdict['reason']}"
+
+    verdict = result["verdict"]
+    lines = [f"stuck: {line(verdict)}" if verdict is not None else "not stuck"]
+    lines += [f"suppressed (a retry is scheduled): {line(held)}" for held in result["suppressed"]]
+    lines.append(f"window: {len(result['window'])} recent dispatches")
+    return "\n".join(lines)
+
+
+def render_audit(result: dict[str, Any]) -> str:
+    text = _table(
+        result["events"],
+        [
+            ("seq", "SEQ"),
+            ("ts", "TS"),
+            ("category", "CATEGORY"),
+            ("type", "TYPE"),
+            ("actor", "ACTOR"),
+            ("trace_id", "TRACE"),
+        ],
+    )
+    before = result.get("next_before")
+    return text + (f"\nmore: --before {before}" if before is not None else "")
+
+
 def render_pong(_result: Any) -> str:
     return "pong"
 
@@ -474,6 +654,8 @@ COMMAND_PATHS = frozenset(
         ("idem", "get"), ("idem", "resolve"), ("idem", "list"),
         ("run",), ("effect", "run"), ("lock", "worktree"),
         ("effects", "list"), ("effects", "resolve"), ("leases",),
+        ("kv", "get"), ("kv", "set"), ("kv", "delete"), ("kv", "list"), ("workers",),
+        ("dispatch", "list"), ("dispatch", "get"), ("dispatch", "stuck"), ("audit",),
     }
 )  # fmt: skip
 _OPTIONS_WITH_VALUES = ("--socket", "--principal", "--timeout")
@@ -736,6 +918,7 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
     p.set_defaults(offline=True)
 
     _add_exactly_once_commands(command, commands)
+    _add_dispatch_commands(command, commands)
     return parser
 
 
@@ -869,6 +1052,108 @@ def _add_exactly_once_commands(command: Any, commands: Any) -> None:
     )
     p.add_argument("--receipt", default=None, metavar="JSON")
     command(commands, "leases", lambda c, a: c.lease_list(), "live leases", render_leases)
+
+
+def _add_dispatch_commands(command: Any, commands: Any) -> None:
+    """Soft state, workers, the dispatch ledger and the audit log."""
+    kv = command(commands, "kv", None, "soft-state values by scope (global, worker, milestone)")
+
+    def scoped(name: str, run: Command, help: str, show: Callable[[Any], str]) -> Any:
+        p = command(kv, name, run, help, show)
+        p.add_argument("scope", choices=KV_SCOPES, metavar="SCOPE", help=", ".join(KV_SCOPES))
+        if name != "list":
+            p.add_argument("key", metavar="KEY")
+        return p
+
+    def scope_id(p: Any) -> None:
+        p.add_argument(
+            "--scope-id",
+            default="",
+            metavar="ID",
+            help="which worker or milestone (default: empty, as for global)",
+        )
+
+    p = scoped(
+        "get",
+        lambda c, a: c.kv_get(a.scope, a.key, scope_id=a.scope_id),
+        "one value; printed as JSON (exit 1 not_found if unset)",
+        render_kv_value,
+    )
+    scope_id(p)
+    p = scoped("set", cmd_kv_set, "store a value (replaces any)", render_kv_entry)
+    p.add_argument(
+        "value", metavar="VALUE_JSON", help="the value as JSON, e.g. 1, '\"text\"' or '{\"n\": 1}'"
+    )
+    scope_id(p)
+    p = scoped(
+        "delete",
+        lambda c, a: c.kv_delete(a.scope, a.key, scope_id=a.scope_id),
+        "drop a value; prints whether there was one",
+        render,
+    )
+    scope_id(p)
+    p = scoped("list", cmd_kv_list, "every value of a scope, by key", render_kv_list)
+    scope_id(p)
+
+    p = command(commands, "workers", cmd_workers, "registered workers", render_workers)
+    p.add_argument("--status", choices=WORKER_STATUSES, default=None)
+    p.add_argument("--project-root", default=None, metavar="PATH", help="only this project's")
+
+    dispatch = command(commands, "dispatch", None, "the work-dispatch ledger")
+    p = command(
+        dispatch,
+        "list",
+        cmd_dispatch_list,
+        "the most recent matching dispatches, oldest first",
+        render_dispatches,
+    )
+    p.add_argument("--unit-type", default=None, metavar="T")
+    p.add_argument("--unit-id", default=None, metavar="U")
+    p.add_argument("--milestone", default=None, metavar="M")
+    p.add_argument("--status", choices=DISPATCH_STATUSES, default=None)
+    p.add_argument("--worker", default=None, metavar="W", help="a worker id")
+    p.add_argument(
+        "--limit", type=_positive, default=None, metavar="N", help="at most N rows (default: 50)"
+    )
+    p = command(dispatch, "get", lambda c, a: c.dispatch_get(a.dispatch_id), "one dispatch")
+    p.add_argument("dispatch_id", type=int, metavar="ID")
+    p = command(
+        dispatch,
+        "stuck",
+        cmd_dispatch_stuck,
+        "is a project's dispatch loop stuck? (exit 0 either way: see `stuck` in --json)",
+        render_stuck,
+    )
+    p.add_argument(
+        "--project-root",
+        default=None,
+        metavar="PATH",
+        help="the project (default: the current directory, symlinks resolved)",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="how many recent dispatches to judge, 2-500 (default: 20)",
+    )
+
+    p = command(
+        commands,
+        "audit",
+        cmd_audit,
+        "audit events of workers, leases and dispatches, newest first",
+        render_audit,
+    )
+    p.add_argument("--category", choices=AUDIT_CATEGORIES, default=None)
+    p.add_argument("--type", default=None, metavar="T", help="e.g. dispatch-failed")
+    p.add_argument("--trace-id", default=None, metavar="ID")
+    p.add_argument(
+        "--before", type=int, default=None, metavar="SEQ", help="only events before this seq"
+    )
+    p.add_argument(
+        "--limit", type=_positive, default=50, metavar="N", help="at most N events (default: 50)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

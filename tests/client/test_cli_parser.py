@@ -34,6 +34,11 @@ def test_command_paths_list_every_command_of_the_full_parser():
         (["fleet"], None),
         (["fleet", "nope"], None),
         (["nope"], None),
+        (["--json", "kv", "set", "global", "k", "1"], ("kv", "set")),
+        (["workers", "--status", "active"], ("workers",)),
+        (["dispatch", "get", "7"], ("dispatch", "get")),
+        (["--socket=/s", "audit", "--limit", "3"], ("audit",)),
+        (["dispatch"], None),
     ],
 )
 def test_command_path_is_found_or_left_to_argparse(argv, path):
@@ -49,6 +54,13 @@ def test_the_lean_parser_parses_like_the_full_one(path):
         ("fleet", "adopt"): ["d"], ("session", "update"): ["s", "--name", "n"],
         ("session", "remove"): ["s"], ("session", "register"): ["--cwd", "/", "--agent", "a"],
         ("idem", "resolve"): ["o", "k", "--outcome", "abandoned"], ("backup",): ["/tmp/b.db"],
+        ("kv", "get"): ["worker", "k", "--scope-id", "w1"], ("kv", "set"): ["global", "k", "-1"],
+        ("kv", "delete"): ["milestone", "k"], ("kv", "list"): ["global"],
+        ("workers",): ["--status", "crashed", "--project-root", "/p"],
+        ("dispatch", "list"): ["--unit-type", "task", "--status", "failed", "--limit", "5"],
+        ("dispatch", "get"): ["7"],
+        ("dispatch", "stuck"): ["--project-root", "/p", "--window", "4"],
+        ("audit",): ["--category", "lease", "--type", "lease-granted", "--limit", "600"],
     }  # fmt: skip
     argv = ["--json", *path, *samples.get(path, ["o", "k"] if path[0] == "idem" else [])]
     if path == ("idem", "list"):
@@ -59,3 +71,43 @@ def test_the_lean_parser_parses_like_the_full_one(path):
     assert {k: v for k, v in lean.items() if k not in ("run", "render")} == {
         k: v for k, v in full.items() if k not in ("run", "render")
     }
+
+
+def test_cli_enumerations_match_the_protocol():
+    """The CLI spells the wire's Literals out (importing them costs hooks msgspec)."""
+    from typing import get_args
+
+    import msgspec
+
+    from towerd.client import cli
+    from towerd.protocol import methods
+
+    assert cli.KV_SCOPES == get_args(methods.KvScope)
+    assert cli.WORKER_STATUSES == get_args(methods.WorkerStatus)
+    assert cli.DISPATCH_STATUSES == get_args(methods.DispatchStatus)
+    assert cli.AUDIT_CATEGORIES == get_args(methods.AuditCategory)
+    msgspec.convert({"limit": cli.AUDIT_PAGE}, methods.AuditListParams)  # the largest page
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"limit": cli.AUDIT_PAGE + 1}, methods.AuditListParams)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["kv", "get", "local", "k"],  # not a scope
+        ["kv", "set", "global", "k"],  # no value
+        ["kv", "list"],  # no scope
+        ["workers", "--status", "gone"],
+        ["dispatch", "list", "--status", "done"],
+        ["dispatch", "list", "--limit", "0"],
+        ["dispatch", "get", "seven"],
+        ["dispatch", "get"],
+        ["audit", "--category", "kv"],
+        ["audit", "--limit", "-1"],
+    ],
+)
+def test_bad_new_command_lines_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exited:
+        build_parser(command_path(argv)).parse_args(argv)
+    assert exited.value.code == 2
+    assert "usage: towerctl" in capsys.readouterr().err
