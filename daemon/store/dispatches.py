@@ -21,7 +21,7 @@ from typing import Any
 
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import audit, leases, stuck, workers
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import Refused, Tx
 from towerd.protocol.errors import (
     AlreadyActive,
     AttemptsExhausted,
@@ -130,7 +130,7 @@ def _require_fence(tx: Tx, worker_id: str, resource: str, token: int) -> WorkerR
 # --- claim -----------------------------------------------------------------------------------
 
 
-def claim(tx: Tx, actor: str, params: DispatchClaimParams) -> DispatchClaimResult:
+def claim(tx: Tx, actor: str, params: DispatchClaimParams) -> DispatchClaimResult | Refused:
     worker = _require_fence(tx, params.worker_id, params.lease_resource, params.fencing_token)
     if worker.status != "active":
         raise Conflict(
@@ -151,6 +151,18 @@ def claim(tx: Tx, actor: str, params: DispatchClaimParams) -> DispatchClaimResul
             )
         _settle(tx, existing, "canceled", actor, caused_by=None, exit_reason=TAKEOVER_REASON,
                 taken_over_by=params.worker_id)  # fmt: skip
+    try:
+        return _claim_unit(tx, actor, params, unit_key)
+    except (AttemptsExhausted, NotBefore) as refused:
+        if existing is None:
+            raise
+        return Refused(refused)  # the stale dispatch stays canceled: commit that, refuse this
+
+
+def _claim_unit(
+    tx: Tx, actor: str, params: DispatchClaimParams, unit_key: str
+) -> DispatchClaimResult:
+    """The retry budget, the pause, then the row itself."""
     attempts, latest = _history(tx, params.unit_type, params.unit_id)
     if attempts >= params.max_attempts:
         raise AttemptsExhausted(

@@ -166,8 +166,7 @@ def open_holders(tx: Tx) -> list[Holder]:
 def any_silent(tx: Tx, ttl_ms: int) -> bool:
     return (
         tx.conn.execute(
-            "SELECT 1 FROM workers WHERE status = 'active' AND ended_at IS NULL "
-            "AND heartbeat_at + ? <= ? LIMIT 1",
+            "SELECT 1 FROM workers WHERE ended_at IS NULL AND heartbeat_at + ? <= ? LIMIT 1",
             (ttl_ms, tx.now),
         ).fetchone()
         is not None
@@ -183,9 +182,10 @@ class Ended:
 def end_dead(tx: Tx, dead: Iterable[Holder], ttl_ms: int) -> list[Ended]:
     """End every worker whose process is gone or whose heartbeat is older than the TTL.
 
-    An active worker becomes ``crashed``; one that said ``worker.stopping`` keeps that
-    status and is ended with ``process-exited``. The caller releases their leases
-    and settles their dispatches in the same transaction.
+    A worker becomes ``crashed``, except one that said ``worker.stopping`` and whose
+    process then exited: it keeps that status and is ended with ``process-exited``.
+    The caller releases their leases and settles their dispatches in the same
+    transaction.
     """
     gone = set(dead)
     rows = tx.conn.execute(
@@ -195,11 +195,11 @@ def end_dead(tx: Tx, dead: Iterable[Holder], ttl_ms: int) -> list[Ended]:
     for worker in map(_record, rows):
         if holder(worker) in gone:
             reason = "process-exited" if worker.status == "stopping" else "process-gone"
-        elif worker.status == "active" and worker.heartbeat_at + ttl_ms <= tx.now:
-            reason = "heartbeat-timeout"
+        elif worker.heartbeat_at + ttl_ms <= tx.now:
+            reason = "heartbeat-timeout"  # alive but silent: hung, even while stopping
         else:
             continue
-        status = "stopping" if worker.status == "stopping" else "crashed"
+        status = "stopping" if reason == "process-exited" else "crashed"
         tx.conn.execute(
             "UPDATE workers SET status = ?, ended_at = ?, end_reason = ? WHERE worker_id = ?",
             (status, tx.now, reason, worker.worker_id),
