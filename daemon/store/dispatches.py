@@ -98,6 +98,7 @@ def _fence_holds(tx: Tx, worker: WorkerRecord | None, resource: str, token: int)
         lease is not None
         and lease.token == token
         and lease.holder == workers.holder(worker)
+        and lease.principal == worker.principal
         and lease.expires_at > tx.now
         and is_alive(workers.holder(worker))
     )
@@ -338,7 +339,8 @@ def list_dispatches(
 def _recent_rows(
     tx: Tx, worker_id: str | None, project_root: str | None, limit: int
 ) -> list[tuple[Any, ...]]:
-    """The most recent dispatches of a worker or a project, oldest first; crashed
+    """The most recent dispatches of a worker or a project, oldest first (in claim
+    order, as ``dispatch.list``: row ids never step back as a wall clock can); crashed
     workers' rows are left out (a crash is not the loop's choice of work)."""
     import os
 
@@ -350,7 +352,7 @@ def _recent_rows(
         f"""SELECT d.unit_type, d.unit_id, d.status, d.error_code, d.error_summary
             FROM dispatches d JOIN workers w ON w.worker_id = d.worker_id
             WHERE {where} AND w.status != 'crashed'
-            ORDER BY d.claimed_at DESC, d.dispatch_id DESC LIMIT ?""",
+            ORDER BY d.dispatch_id DESC LIMIT ?""",
         (arg, limit),
     ).fetchall()
     rows.reverse()
