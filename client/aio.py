@@ -9,8 +9,9 @@ task routes each answer to its caller by id. Open it with
 from __future__ import annotations
 
 import inspect
+import math
 import os
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +24,9 @@ from towerd.client.api import TowerdAPI
 from towerd.client.idempotent import RunEffect, idempotent_steps, retry_delay
 from towerd.client.sync import DEFAULT_TIMEOUT, default_client_name, hello_params
 from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder, FrameTooLargeError
-from towerd.protocol.envelope import FRAME_ERROR_ID, decode_response, encode_request
+from towerd.protocol.envelope import FRAME_ERROR_ID, decode_frame, encode_request
 from towerd.protocol.errors import TowerdError, Unavailable
+from towerd.protocol.lite import is_push, response_parts
 from towerd.protocol.paths import default_socket_path
 
 if TYPE_CHECKING:
@@ -49,6 +51,9 @@ class AsyncClient(TowerdAPI):
         self._next_id = 0
         self._lost: TowerdError | None = None
         self._decoder = FrameDecoder(DEFAULT_MAX_FRAME + RESPONSE_SLACK)
+        # Pushed watch frames (and the error that ends a watch) go here once watching.
+        self._pushes: Any = None
+        self._watch_id = 0
 
     @classmethod
     @asynccontextmanager
@@ -129,7 +134,13 @@ class AsyncClient(TowerdAPI):
             while True:
                 data = await self._stream.receive(65536)
                 for frame in self._decoder.feed(data):
-                    request_id, result, error = decode_response(frame)
+                    value = decode_frame(frame)
+                    if self._is_watch_frame(value):
+                        self._pushes.send_nowait(
+                            value if is_push(value) else response_parts(value)[2]
+                        )
+                        continue
+                    request_id, result, error = response_parts(value)
                     if request_id == FRAME_ERROR_ID and error is not None:
                         self._lose(error)  # about the connection itself; the daemon closes it
                         return
@@ -146,6 +157,33 @@ class AsyncClient(TowerdAPI):
             reason = f"towerd sent a bad frame: {exc}"
         self._lose(Unavailable(reason, {"socket": str(self.socket_path), "reason": "closed"}))
 
+    def _is_watch_frame(self, value: Any) -> bool:
+        """A pushed change, or the error that ends the watch (``too_slow``), once the
+        watch's own answer (the snapshot) has been delivered."""
+        if self._pushes is None:
+            return False
+        return is_push(value) or (
+            isinstance(value, dict)
+            and value.get("id") == self._watch_id
+            and self._watch_id not in self._pending
+        )
+
+    async def watch(self, topics: Sequence[str]) -> AsyncIterator[dict[str, Any]]:
+        """The async twin of ``Client.watch``: the snapshot, then each pushed change.
+        The connection serves no other request afterwards."""
+        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=math.inf)
+        self._pushes, self._watch_id = send, self._next_id + 1
+        yield await self.call("watch", {"topics": list(topics)})
+        async with receive:
+            while True:
+                try:
+                    value = await receive.receive()
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    raise self._lost or Unavailable("the watch ended") from None
+                if isinstance(value, TowerdError):
+                    raise value
+                yield value
+
     def _lose(self, error: TowerdError) -> TowerdError:
         """The connection is over: every pending and later call fails with ``error``."""
         if self._lost is None:
@@ -153,6 +191,8 @@ class AsyncClient(TowerdAPI):
             for pending in self._pending.values():
                 pending.error = error
                 pending.done.set()
+            if self._pushes is not None:
+                self._pushes.close()
         return self._lost
 
     def effect(

@@ -399,6 +399,75 @@ class TowerdAPI:
             "kv.list", _given(scope=scope, scope_id=scope_id, after=after, limit=limit)
         )
 
+    # --- the event trail, messages, restore plan ----------------------------------------------
+
+    def event_record(
+        self,
+        kind: str,
+        *,
+        session_id: str | None = None,
+        agent_session_id: str | None = None,
+        payload: Any = None,
+    ) -> Any:
+        """Record one hook event -> ``{"event_id", "at", "session_id"}``."""
+        return self.call(
+            "event.record",
+            _given(kind=kind, session_id=session_id, agent_session_id=agent_session_id)
+            | {"payload": payload},
+        )
+
+    def event_list(
+        self,
+        *,
+        session_ids: Iterable[str] | None = None,
+        agent_session_ids: Iterable[str] | None = None,
+        kinds: Iterable[str] | None = None,
+        before: int | None = None,
+        limit: int | None = None,
+    ) -> Any:
+        """The trail, newest first -> ``{"events", "next_before"}``. An absent id list does
+        not filter, an empty one matches nothing; the two combine with OR."""
+        return self.call(
+            "event.list",
+            _given(
+                session_ids=None if session_ids is None else list(session_ids),
+                agent_session_ids=None if agent_session_ids is None else list(agent_session_ids),
+                kinds=None if kinds is None else list(kinds),
+                before=before,
+                limit=limit,
+            ),
+        )
+
+    def session_activity(self, session_ids: Iterable[str] | None = None) -> Any:
+        """Each session's last activity and attention (running, needs_you, done, exited)."""
+        return self.call(
+            "session.activity",
+            _given(session_ids=None if session_ids is None else list(session_ids)),
+        )
+
+    def session_message(
+        self, session_id: str, text: str, *, idempotency_key: str | None = None
+    ) -> Any:
+        """Leave a message for a session -> ``{"message_id", "status"}``; with a key, a
+        retry answers the same message."""
+        return self.call(
+            "session.message",
+            _given(session_id=session_id, text=text, idempotency_key=idempotency_key),
+        )
+
+    def message_list(
+        self, session_id: str, *, status: str | None = None, limit: int | None = None
+    ) -> Any:
+        return self.call("message.list", _given(session_id=session_id, status=status, limit=limit))
+
+    def message_ack(self, message_id: str, status: str = "read") -> Any:
+        return self.call("message.ack", {"message_id": message_id, "status": status})
+
+    def fleet_restore_plan(self) -> Any:
+        """What to bring back after a restart: non-exited sessions, newest activity first,
+        each parent before its sub-sessions."""
+        return self.call("fleet.restore_plan")
+
     # --- operator tools ------------------------------------------------------------------
 
     def backup(self, path: str, *, overwrite: bool = False) -> Any:

@@ -230,6 +230,44 @@ class Client(TowerdAPI):
             lease_ttl_ms=lease_ttl_ms, timeout_ms=timeout_ms,
         )  # fmt: skip
 
+    # --- watch ---------------------------------------------------------------------------------
+
+    def watch(
+        self, topics: Sequence[str], *, idle_timeout: float | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """Turn this connection into a subscription to ``topics`` (fleet, events, idem,
+        leases, effects, dispatch).
+
+        Yields ``{"snapshot": {topic: ...}, "seq": 0}`` first, then every committed
+        change as ``{"event": topic, "seq": n, "data": ...}`` with ``seq`` +1 each time.
+        A watcher the daemon dropped for falling behind gets ``TooSlow`` (watch again
+        for a fresh snapshot); a lost daemon, or ``idle_timeout`` seconds without a
+        change, ``Unavailable``. The connection serves no other request afterwards.
+        """
+        yield self.call("watch", {"topics": list(topics)})
+        sock = self._require_socket()
+        sock.settimeout(idle_timeout)
+        while True:
+            try:
+                value = self._codec.decode_frame(self._read_frame(sock))
+            except OSError as exc:
+                self.close()
+                reason = "timeout" if isinstance(exc, TimeoutError) else "connection"
+                raise Unavailable(
+                    f"watch on towerd at {self.socket_path} ended ({reason}: {exc})",
+                    {"socket": str(self.socket_path), "reason": reason},
+                ) from None
+            except TowerdError:
+                self.close()
+                raise
+            if lite.is_push(value):
+                yield value
+                continue
+            _request_id, _result, error = lite.response_parts(value)
+            if error is not None:
+                self.close()
+                raise error
+
     # --- paging --------------------------------------------------------------------------------
 
     def iter_fleet(self, page_size: int | None = None) -> Iterator[dict[str, Any]]:

@@ -28,10 +28,13 @@ from towerd.daemon.store import (
     audit,
     dispatches,
     effects,
+    events,
     fleet,
     idempotency,
     kv,
     leases,
+    messages,
+    snapshot,
     upkeep,
     workers,
 )
@@ -63,6 +66,7 @@ class DaemonInfo:
     started_monotonic: float
     branch_prefix: str = "kxm/"  # run branches' prefix: a push to the run's own branch is unfenced
     kv_max_value: int = m.DEFAULT_KV_MAX_VALUE  # bytes of one soft-state value, as msgpack
+    event_max_payload: int = m.DEFAULT_EVENT_MAX_PAYLOAD  # bytes of one hook event's payload
     host: str = field(default_factory=socket.gethostname)
 
     @property
@@ -139,6 +143,14 @@ class Handlers:
             "kv.get": self.kv_get,
             "kv.delete": self.kv_delete,
             "kv.list": self.kv_list,
+            "event.record": self.event_record,
+            "event.list": self.event_list,
+            "session.activity": self.session_activity,
+            "session.message": self.session_message,
+            "message.list": self.message_list,
+            "message.ack": self.message_ack,
+            "watch": self.watch,
+            "fleet.restore_plan": self.fleet_restore_plan,
             "backup": self.backup,
             "doctor": self.doctor,
         }
@@ -489,6 +501,61 @@ class Handlers:
             params.limit,
             self.info.page_bytes,
         )
+
+    # --- the event trail, messages, watch --------------------------------------------------
+
+    def event_record(
+        self, caller: Caller, params: m.EventRecordParams
+    ) -> Future[m.EventRecordResult]:
+        return self.store.write(
+            events.record,
+            params.kind,
+            params.session_id,
+            params.agent_session_id,
+            params.payload,
+            self.info.event_max_payload,
+        )
+
+    async def event_list(self, caller: Caller, params: m.EventListParams) -> m.EventListResult:
+        return await self.store.read(
+            events.list_events,
+            params.session_ids,
+            params.agent_session_ids,
+            params.kinds,
+            params.before,
+            params.limit,
+            self.info.page_bytes,
+        )
+
+    async def session_activity(
+        self, caller: Caller, params: m.SessionActivityParams
+    ) -> m.SessionActivityResult:
+        return await self.store.read(events.activity, params.session_ids)
+
+    def session_message(
+        self, caller: Caller, params: m.SessionMessageParams
+    ) -> Future[m.SessionMessageResult]:
+        return self.store.write(messages.send, caller.principal, params, caller.holder)
+
+    async def message_list(
+        self, caller: Caller, params: m.MessageListParams
+    ) -> m.MessageListResult:
+        return await self.store.read(
+            messages.list_messages, params.session_id, params.status, params.limit
+        )
+
+    def message_ack(self, caller: Caller, params: m.MessageAckParams) -> Future[m.MessageRecord]:
+        return self.store.write(messages.ack, params.message_id, params.status)
+
+    def watch(self, caller: Caller, params: m.WatchParams) -> Any:
+        raise AssertionError("watch is served by the connection itself (server.start_watch)")
+
+    def watch_snapshot(self, topics: frozenset[str]) -> dict[str, Any]:
+        """The snapshot a new subscription starts from, read on the loop's connection."""
+        return self.store.read_now(snapshot.take, topics, self.info.page_bytes)
+
+    async def fleet_restore_plan(self, caller: Caller, params: m.Empty) -> m.RestorePlanResult:
+        return await self.store.read(events.restore_plan)
 
     # --- operator tools -----------------------------------------------------------------
 

@@ -32,8 +32,9 @@ from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.server import Limits, Server, bind_private_socket
 from towerd.daemon.store import StoreConfig, open_store
 from towerd.daemon.store.tx import now_ms
+from towerd.daemon.watch import DEFAULT_MAX_QUEUED_BYTES, WatchHub
 from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
-from towerd.protocol.methods import DEFAULT_KV_MAX_VALUE
+from towerd.protocol.methods import DEFAULT_EVENT_MAX_PAYLOAD, DEFAULT_KV_MAX_VALUE
 from towerd.protocol.paths import default_socket_path, default_state_dir
 
 EXIT_OK = 0
@@ -63,6 +64,10 @@ class DaemonConfig:
     worker_ttl_seconds: float = 60.0
     retention_days: float = 30.0
     kv_max_value: int = DEFAULT_KV_MAX_VALUE
+    event_max_payload: int = DEFAULT_EVENT_MAX_PAYLOAD
+    event_retention_days: float = 30.0
+    events_per_session: int = 5000
+    watch_max_queue: int = DEFAULT_MAX_QUEUED_BYTES
 
 
 class StopRequest:
@@ -115,6 +120,8 @@ async def _run(config: DaemonConfig, stop: StopRequest) -> None:
             completed_ttl_ms=int(config.completed_ttl_seconds * 1000),
             worker_ttl_ms=int(config.worker_ttl_seconds * 1000),
             retention_ms=int(config.retention_days * 86_400_000),
+            event_retention_ms=int(config.event_retention_days * 86_400_000),
+            events_per_session=config.events_per_session,
         )
         async with open_store(store_config) as store:
             log.info(
@@ -143,6 +150,7 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
             started_monotonic=time.monotonic(),
             branch_prefix=config.branch_prefix,
             kv_max_value=config.kv_max_value,
+            event_max_payload=config.event_max_payload,
         ),
         request_shutdown=stop.request,
     )
@@ -157,7 +165,9 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         ),
         on_disconnect=lambda caller: sweep.poke() if caller.claimed else None,
         trace_requests=config.log_level == "debug",
+        watch_hub=WatchHub(config.watch_max_queue),
     )
+    store.on_changes = server.watch_hub.publish
     async with anyio.create_task_group() as tasks:
         await tasks.start(server.serve, listening)
         tasks.start_soon(sweep.run)
@@ -320,6 +330,34 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         help="largest soft-state value, msgpack-encoded (default 65536)",
     )
     parser.add_argument(
+        "--event-max-payload",
+        type=int,
+        default=DEFAULT_EVENT_MAX_PAYLOAD,
+        metavar="BYTES",
+        help="largest hook event payload, msgpack-encoded (default 65536)",
+    )
+    parser.add_argument(
+        "--event-retention-days",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="hook events older are pruned (default 30)",
+    )
+    parser.add_argument(
+        "--events-per-session",
+        type=int,
+        default=5000,
+        metavar="N",
+        help="hook events kept per session, newest first (default 5000)",
+    )
+    parser.add_argument(
+        "--watch-max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUED_BYTES,
+        metavar="BYTES",
+        help="a watcher this far behind is sent too_slow and disconnected (default 1 MiB)",
+    )
+    parser.add_argument(
         "--log-level",
         default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -346,6 +384,10 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         worker_ttl_seconds=args.worker_ttl,
         retention_days=args.retention_days,
         kv_max_value=args.kv_max_value,
+        event_max_payload=args.event_max_payload,
+        event_retention_days=args.event_retention_days,
+        events_per_session=args.events_per_session,
+        watch_max_queue=args.watch_max_queue,
     )
     return config, args
 

@@ -94,7 +94,13 @@ async def expire_periodically(store: Store, interval: float) -> None:
         expired = await store.write(idempotency.expire_completed, store.config.completed_ttl_ms)
         if expired:
             log.info("keys_expired", count=expired)
-        pruned = await store.write(retention.prune_history, store.config.retention_ms)
+        config = store.config
+        pruned = await store.write(
+            retention.prune_history,
+            config.retention_ms,
+            config.event_retention_ms,
+            config.events_per_session,
+        )
         if any(pruned.values()):
             log.info("history_pruned", **pruned)
 

@@ -37,6 +37,7 @@ import structlog
 from towerd.daemon.handlers import Caller, Handlers
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.processes import holder_of, peer_credentials
+from towerd.daemon.watch import Subscription, WatchHub
 from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol import methods as m
 from towerd.protocol.envelope import (
@@ -50,6 +51,7 @@ from towerd.protocol.envelope import (
 from towerd.protocol.errors import (
     BadArgs,
     BadFrame,
+    Conflict,
     FrameTooLarge,
     Internal,
     ProtocolMismatch,
@@ -58,6 +60,7 @@ from towerd.protocol.errors import (
     Unavailable,
     UnknownMethod,
 )
+from towerd.protocol.methods import WatchResult
 
 log = structlog.get_logger("towerd.server")
 
@@ -121,8 +124,10 @@ class Server:
         limits: Limits = Limits(),
         on_disconnect: Callable[[Caller], None] = lambda caller: None,
         trace_requests: bool = False,
+        watch_hub: WatchHub | None = None,
     ) -> None:
         self.handlers = handlers
+        self.watch_hub = watch_hub or WatchHub()
         self.limits = limits
         # A debug line per request: its arguments cost ~2 us to build even when the
         # line is filtered out, so it is skipped unless logging at debug.
@@ -189,6 +194,7 @@ class Connection(asyncio.Protocol):
         self.writing_blocked = False
         self.frame_timer: asyncio.TimerHandle | None = None
         self.send_timer: asyncio.TimerHandle | None = None
+        self.subscription: Subscription | None = None  # set once this peer sent ``watch``
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -258,6 +264,8 @@ class Connection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
         self.server.closed(self)
+        if self.subscription is not None:
+            self.server.watch_hub.unsubscribe(self.subscription)
         if self.caller is not None:
             self.server.on_disconnect(self.caller)
 
@@ -275,6 +283,9 @@ class Connection(asyncio.Protocol):
             self.hello(request, self.caller)
             return
         started = time.perf_counter()
+        if request.method == "watch" or self.subscription is not None:
+            self.start_watch(request, started)
+            return
         try:
             handler = self.handlers.table.get(request.method)
             if handler is None:
@@ -338,6 +349,45 @@ class Connection(asyncio.Protocol):
         log.error(
             "request_crashed", **self.context(request, started), code="internal", exc_info=exc
         )
+
+    def start_watch(self, request: Request, started: float) -> None:
+        """``watch`` turns this connection into a subscription: the snapshot answers the
+        request, then every committed change of the chosen topics is pushed."""
+        if self.subscription is not None:
+            error = Conflict(
+                "this connection is a watch subscription: it only receives events; "
+                "open another connection for requests"
+            )
+            self.answer_failure(request, error, started)
+            return
+        try:
+            params = decode_params("watch", request)
+            subscription = Subscription(self, request.id, params.topics)
+            snapshot = self.server.watch_hub.subscribe(
+                subscription, lambda: self.handlers.watch_snapshot(subscription.topics)
+            )
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
+            self.answer_failure(request, exc, started)
+            return
+        self.subscription = subscription
+        self.answer(request, WatchResult(snapshot=snapshot, seq=0), started)
+
+    # --- the watch outlet (see daemon/watch.py) ------------------------------------------
+
+    def queued_bytes(self) -> int:
+        return self.transport.get_write_buffer_size()
+
+    def write(self, frame: bytes) -> None:
+        self.send(frame)
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def close_after(self, frame: bytes) -> None:
+        """Send a last frame and close; a peer that reads nothing more is cut off soon."""
+        self.send(frame)
+        self.finish()
+        asyncio.get_running_loop().call_later(1.0, self.transport.abort)
 
     def context(self, request: Request, started: float) -> dict[str, Any]:
         caller = self.caller

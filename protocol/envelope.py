@@ -4,6 +4,9 @@ Request  ``{"id": int, "method": str, "params": map}``
 Response ``{"id": int, "result": any}`` or
          ``{"id": int, "error": {"code": str, "message": str, "data": map?}}``
 
+Pushed   ``{"event": topic, "seq": int, "data": any}`` (no id), on a connection
+         that sent ``watch``: one per committed change, ``seq`` +1 each time.
+
 Ids are chosen by the client and must be >= 1; id 0 is reserved for errors
 about a frame whose id could not be read. Unknown envelope fields are
 ignored, so the envelope can grow without breaking older peers.
@@ -173,6 +176,30 @@ def encode_error(request_id: int, error: TowerdError) -> bytes:
     """A whole frame answering ``request_id`` with ``error``."""
     body = ErrorBody(error.code, error.message, error.data)
     return encode_frame(_encoder.encode(ErrorResponse(request_id, body)))
+
+
+class Push(msgspec.Struct):
+    event: str
+    seq: int
+    data: msgspec.Raw
+
+
+def encode_data(data: Any) -> msgspec.Raw:
+    """Encode a change once, however many watchers it goes to."""
+    return msgspec.Raw(_encoder.encode(data))
+
+
+def encode_push(topic: str, seq: int, data: msgspec.Raw) -> bytes:
+    """A whole pushed frame (no id) carrying an already encoded change."""
+    return encode_frame(_encoder.encode(Push(topic, seq, data)))
+
+
+def decode_frame(payload: bytes) -> Any:
+    """``lite.decode_frame`` with msgspec's decoder."""
+    try:
+        return _any_decoder.decode(payload)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise Internal(f"daemon sent a malformed frame: {exc}") from None
 
 
 def encode_request(

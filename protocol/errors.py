@@ -216,6 +216,12 @@ class NotBefore(TowerdError):
     code = "not_before"
 
 
+class TooSlow(TowerdError):
+    """A watcher fell behind its bounded queue; the daemon closes the subscription."""
+
+    code = "too_slow"
+
+
 _CLASSES: dict[str, type[TowerdError]] = {
     cls.code: cls
     for cls in (
@@ -250,6 +256,7 @@ _CLASSES: dict[str, type[TowerdError]] = {
         AlreadyActive,
         AttemptsExhausted,
         NotBefore,
+        TooSlow,
     )
 }
 

@@ -277,6 +277,19 @@ def decode_response(payload: bytes) -> tuple[int, Any, TowerdError | None]:
     return response_parts(value)
 
 
+def is_push(value: Any) -> bool:
+    """A frame a ``watch`` subscription pushes: ``{"event", "seq", "data"}``, no id."""
+    return isinstance(value, dict) and "event" in value and "id" not in value
+
+
+def decode_frame(payload: bytes) -> Any:
+    """Any daemon frame decoded (a response or a pushed event)."""
+    try:
+        return unpackb(payload)
+    except MsgpackError as exc:
+        raise Internal(f"daemon sent a malformed frame: {exc}") from None
+
+
 def response_parts(value: Any) -> tuple[int, Any, TowerdError | None]:
     """``(id, result, error)`` of a decoded response (whichever codec decoded it)."""
     if not isinstance(value, dict) or type(value.get("id")) is not int:

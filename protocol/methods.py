@@ -835,6 +835,147 @@ class KvListResult(Struct):
     next_after: str | None = None
 
 
+# --- the event trail, messages, watch, restore plan ------------------------------------------
+
+EventKind = Annotated[str, Meta(min_length=1, max_length=64)]
+AgentSessionId = Annotated[str, Meta(min_length=1, max_length=256)]
+DEFAULT_EVENT_PAGE, MAX_EVENT_PAGE = 50, 200
+DEFAULT_EVENT_MAX_PAYLOAD = 64 * 1024
+Attention = Literal["running", "needs_you", "done", "exited"]
+
+
+class EventRecordParams(Struct):
+    kind: EventKind  # a hook's hook_event_name verbatim: Notification, Stop, ...
+    session_id: SessionId | None = None
+    agent_session_id: AgentSessionId | None = None
+    payload: Any = None
+
+    def __post_init__(self) -> None:
+        _require_shallow("payload", self.payload)
+
+
+class EventRecordResult(Struct):
+    event_id: int
+    at: Millis
+    session_id: str | None  # the fleet session the event was filed under, if known
+
+
+class TrailEvent(Struct):
+    event_id: int
+    session_id: str | None
+    agent_session_id: str | None
+    kind: str
+    at: Millis
+    payload: Any
+
+
+class EventListParams(Struct):
+    """An absent id list does not filter; an empty one matches nothing; the two combine
+    with OR."""
+
+    session_ids: list[SessionId] | None = None
+    agent_session_ids: list[AgentSessionId] | None = None
+    kinds: list[EventKind] | None = None
+    before: Cursor | None = None
+    limit: Annotated[int, Meta(ge=1, le=MAX_EVENT_PAGE)] = DEFAULT_EVENT_PAGE
+
+
+class EventListResult(Struct):
+    events: list[TrailEvent]  # newest first; heartbeats left out
+    next_before: int | None = None
+
+
+class SessionActivityParams(Struct):
+    session_ids: list[SessionId] | None = None  # default: all of this daemon's sessions
+
+
+class SessionActivity(Struct):
+    session_id: str
+    last_activity_at: Millis | None  # newest event, heartbeats included
+    last_kind: str | None  # newest event that is not a heartbeat
+    attention: Attention
+
+
+class SessionActivityResult(Struct):
+    sessions: list[SessionActivity]
+
+
+MessageStatus = Literal["queued", "delivered", "read"]
+
+
+class SessionMessageParams(Struct):
+    session_id: SessionId
+    text: Annotated[str, Meta(min_length=1, max_length=65536)]
+    idempotency_key: IdemKey | None = None
+
+    def __post_init__(self) -> None:
+        _require_printable("idempotency_key", self.idempotency_key)
+
+
+class SessionMessageResult(Struct):
+    message_id: str
+    status: MessageStatus
+
+
+class MessageRecord(Struct):
+    message_id: str
+    session_id: str
+    agent_session_id: str | None
+    text: str
+    status: MessageStatus
+    created_at: Millis
+    updated_at: Millis
+
+
+class MessageListParams(Struct):
+    session_id: SessionId
+    status: MessageStatus | None = None
+    limit: Annotated[int, Meta(ge=1, le=500)] = 100
+
+
+class MessageListResult(Struct):
+    messages: list[MessageRecord]  # oldest first
+
+
+class MessageAckParams(Struct):
+    message_id: Annotated[str, Meta(min_length=1, max_length=64)]
+    status: Literal["delivered", "read"]
+
+
+WatchTopic = Literal["fleet", "events", "idem", "leases", "effects", "dispatch"]
+WATCH_TOPICS: tuple[str, ...] = ("fleet", "events", "idem", "leases", "effects", "dispatch")
+
+
+class WatchParams(Struct):
+    topics: Annotated[list[WatchTopic], Meta(min_length=1)]
+
+
+class WatchResult(Struct):
+    """The snapshot of each chosen topic; then pushed ``{event, seq, data}`` frames."""
+
+    snapshot: dict[str, Any]
+    seq: int
+
+
+class RestorePlanEntry(Struct):
+    session_id: str
+    parent: str | None
+    agent: str
+    agent_session_id: str | None
+    cwd: str
+    name: str | None
+    model: str | None
+    effort: str | None
+    target: str | None
+    target_identity: str | None
+    transcript_path: str | None
+    last_activity_at: Millis | None
+
+
+class RestorePlanResult(Struct):
+    sessions: list[RestorePlanEntry]  # newest activity first; a parent before its children
+
+
 # --- operator tools --------------------------------------------------------------
 
 
@@ -984,13 +1125,27 @@ METHODS: dict[str, MethodSpec] = {
     "kv.get": MethodSpec(KvKeyParams, KvEntry, False, "one value"),
     "kv.delete": MethodSpec(KvKeyParams, KvDeleteResult, True, "drop a value"),
     "kv.list": MethodSpec(KvListParams, KvListResult, False, "a scope's values"),
+    "event.record": MethodSpec(EventRecordParams, EventRecordResult, True, "record one hook event"),
+    "event.list": MethodSpec(EventListParams, EventListResult, False, "the event trail, paged"),
+    "session.activity": MethodSpec(
+        SessionActivityParams, SessionActivityResult, False, "last activity and attention"
+    ),
+    "session.message": MethodSpec(
+        SessionMessageParams, SessionMessageResult, True, "leave a message for a session"
+    ),
+    "message.list": MethodSpec(MessageListParams, MessageListResult, False, "a session's messages"),
+    "message.ack": MethodSpec(MessageAckParams, MessageRecord, True, "mark delivered or read"),
+    "watch": MethodSpec(WatchParams, WatchResult, False, "subscribe: snapshot, then changes"),
+    "fleet.restore_plan": MethodSpec(
+        Empty, RestorePlanResult, False, "what to bring back after a restart"
+    ),
     "backup": MethodSpec(BackupParams, BackupResult, False, "online copy of the database"),
     "doctor": MethodSpec(DoctorParams, DoctorResult, False, "health of the database"),
 }
 
 FEATURES = [
     "fleet", "idempotency", "pipelining", "paging", "leases", "effects", "workers", "dispatch",
-    "audit", "kv",
+    "audit", "kv", "events", "messages", "watch", "restore_plan",
 ]  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from towerd.daemon.store.tx import Tx, pack, take_page, unpack
+from towerd.daemon.store.tx import Tx, note, pack, take_page, unpack
 from towerd.protocol.methods import AuditEvent, AuditListResult
 
 DAEMON_ACTOR = "daemon"  # the daemon's own upkeep: reaping, retention
@@ -39,7 +39,11 @@ def record(
            ON CONFLICT (event_id) DO NOTHING""",
         (event_id, trace_id, turn_id, caused_by, category, type, tx.now, actor, pack(payload)),
     )
+    note(tx, WATCH_TOPICS[category], {"type": type, "at": tx.now, **payload})
     return event_id
+
+
+WATCH_TOPICS = {"lease": "leases", "worker": "dispatch", "dispatch": "dispatch"}
 
 
 _COLUMNS = "seq, event_id, trace_id, turn_id, caused_by, category, type, ts, actor, payload"

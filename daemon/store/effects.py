@@ -26,7 +26,7 @@ import msgspec
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import leases
 from towerd.daemon.store.idempotency import Holder, log_operator_action, payload_hash
-from towerd.daemon.store.tx import Refused, Tx, pack, unpack
+from towerd.daemon.store.tx import Refused, Tx, note, pack, unpack
 from towerd.protocol import naming
 from towerd.protocol.errors import (
     EffectAlreadyCommitted,
@@ -103,6 +103,14 @@ def _set(tx: Tx, key: str, **columns: Any) -> None:
     tx.conn.execute(
         f"UPDATE effects SET {assignments} WHERE effect_key = ?", (*columns.values(), key)
     )
+    _noted(tx, key)
+
+
+def _noted(tx: Tx, key: str) -> None:
+    """Tell effects watchers the receipt as it now stands."""
+    if tx.changes is not None:
+        effect = _load(tx, key)
+        note(tx, "effects", effect.record if effect else {"effect_key": key})
 
 
 def _stale(effect: _Effect, now: int) -> bool:
@@ -219,6 +227,7 @@ def claim(
             f"INSERT INTO effects ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
             tuple(row.values()),
         )
+        _noted(tx, key)
     return EffectClaimResult(
         effect_key=key,
         status="in_flight",

@@ -24,7 +24,7 @@ from towerd.daemon.store.idempotency import (
 from towerd.daemon.store.idempotency import insert as insert_key
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
-from towerd.daemon.store.tx import PAGE_BYTES, Tx, take_page
+from towerd.daemon.store.tx import PAGE_BYTES, Tx, note, take_page
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch
 from towerd.protocol.methods import (
     SESSION_FIELDS,
@@ -126,6 +126,16 @@ def list_sessions(
     return FleetListResult(sessions=sessions, next_cursor=next_cursor)
 
 
+def list_all(tx: Tx) -> list[SessionRow]:
+    """Every one of this daemon's rows, in stored order (restore plan, watch snapshot)."""
+    return [
+        row_from_sql(values)
+        for values in tx.conn.execute(
+            f"{_SELECT_ROW} WHERE daemon_id = ? ORDER BY rowid", (tx.daemon_id,)
+        )
+    ]
+
+
 def count_sessions(tx: Tx) -> int:
     return tx.conn.execute(
         "SELECT count(*) FROM sessions WHERE daemon_id = ?", (tx.daemon_id,)
@@ -184,6 +194,12 @@ def insert_session(tx: Tx, params: SessionRegisterParams) -> str:
     return session_id
 
 
+def _noted(tx: Tx, session_id: str) -> None:
+    """Tell fleet watchers the row as it now stands."""
+    if tx.changes is not None:
+        note(tx, "fleet", {"op": "upsert", "session": get_session(tx, session_id)})
+
+
 def _insert_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
     tx.conn.execute(
         f"INSERT INTO sessions ({', '.join(ROW_COLUMNS)}) "
@@ -196,6 +212,7 @@ def _insert_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
             tx.now,
         ),
     )
+    _noted(tx, session_id)
 
 
 def _update_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
@@ -210,6 +227,7 @@ def _update_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
             session_id,
         ),
     )
+    _noted(tx, session_id)
 
 
 def update_session(tx: Tx, params: SessionUpdateParams) -> SessionRow:
@@ -257,6 +275,7 @@ def remove_session(tx: Tx, session_id: str) -> SessionRemoveResult:
             f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
         )
     tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+    note(tx, "fleet", {"op": "remove", "session_id": session_id})
     children = [
         row[0]
         for row in tx.conn.execute(
@@ -334,6 +353,7 @@ def write_fleet(
     deleted = [sid for sid in (*removed_set, *replaced) if sid in stored_ids]
     for sid in deleted:
         tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (sid,))
+        note(tx, "fleet", {"op": "remove", "session_id": sid})
     # Free every agent session id being rewritten before any row takes one.
     for sid in kept.keys() & stored_ids:
         tx.conn.execute("UPDATE sessions SET agent_session_id = NULL WHERE session_id = ?", (sid,))
@@ -405,6 +425,7 @@ def adopt_fleet(tx: Tx, principal: str, from_daemon_id: str) -> FleetAdoptResult
         "UPDATE sessions SET daemon_id = ?, owner_epoch = ?, updated_at = ? WHERE daemon_id = ?",
         (tx.daemon_id, tx.owner_epoch, tx.now, from_daemon_id),
     ).rowcount
+    note(tx, "fleet", {"op": "adopt", "daemon_id": from_daemon_id, "sessions": adopted})
     # Its keys come along and are reconciled as at a start: whatever it had in
     # progress is unknown now, unless the effect left evidence.
     interrupted = tx.conn.execute(

@@ -18,7 +18,15 @@ from typing import Any
 import msgspec
 
 from towerd.daemon.processes import Holder
-from towerd.daemon.store.tx import PAGE_BYTES, Tx, pack, pack_canonical, take_page, unpack
+from towerd.daemon.store.tx import (
+    PAGE_BYTES,
+    Tx,
+    note,
+    pack,
+    pack_canonical,
+    take_page,
+    unpack,
+)
 from towerd.protocol.errors import (
     Conflict,
     IdempotencyConflict,
@@ -118,9 +126,11 @@ def _set_state(tx: Tx, principal: str, row: _Row, state: str, result: Any = None
         "WHERE principal = ? AND operation = ? AND key = ?",
         (state, packed, tx.now, principal, row.record.operation, row.record.key),
     )
-    return msgspec.structs.replace(
+    record = msgspec.structs.replace(
         row.record, state=state, result=unpack(packed), updated_at=tx.now
     )
+    note(tx, "idem", {"principal": principal, "record": record})
+    return record
 
 
 def _refuse_unsettled(row: _Row, caller: Holder | None) -> None:
@@ -221,6 +231,8 @@ def insert(
             tx.now,
         ),
     )
+    note(tx, "idem", {"principal": principal, "operation": operation, "key": key,
+                      "state": state, "effect_ref": effect_ref})  # fmt: skip
 
 
 def replay_or_refuse(
@@ -276,6 +288,8 @@ def _delete(tx: Tx, principal: str, operation: str, key: str) -> None:
         "DELETE FROM idempotency WHERE principal = ? AND operation = ? AND key = ?",
         (principal, operation, key),
     )
+    note(tx, "idem", {"principal": principal, "operation": operation, "key": key,
+                      "state": None})  # fmt: skip
 
 
 def mark_unknown(tx: Tx, principal: str, operation: str, key: str) -> IdemRecord:
@@ -399,6 +413,9 @@ def mark_holders_dead(tx: Tx, holders: Iterable[Holder]) -> list[tuple[int, str,
                RETURNING rowid, principal, operation, key, effect_ref""",
             (tx.now, tx.daemon_id, holder.pid, holder.start),
         ).fetchall()
+    for _rowid, principal, operation, key, effect_ref in moved:
+        note(tx, "idem", {"principal": principal, "operation": operation, "key": key,
+                          "state": "outcome_unknown", "effect_ref": effect_ref})  # fmt: skip
     return moved
 
 

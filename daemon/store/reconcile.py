@@ -49,9 +49,18 @@ def _fleet_row_evidence(*columns: str) -> EvidenceProbe:
     return probe
 
 
+def _message_evidence(tx: Tx, effect_ref: str) -> dict[str, Any] | None:
+    """Evidence = the message row whose id is the key's effect_ref."""
+    row = tx.conn.execute(
+        "SELECT message_id, status FROM messages WHERE message_id = ?", (effect_ref,)
+    ).fetchone()
+    return None if row is None else {"message_id": row[0], "status": row[1]}
+
+
 EVIDENCE_PROBES: dict[str, EvidenceProbe] = {
     "session.spawn": _fleet_row_evidence("agent_session_id", "target", "target_identity"),
     "session.register": _fleet_row_evidence(),
+    "session.message": _message_evidence,
 }
 
 

@@ -19,7 +19,7 @@ from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import StartRefused
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -234,6 +234,37 @@ MIGRATIONS: tuple[Migration, ...] = (
                 updated_at INTEGER NOT NULL,
                 PRIMARY KEY (scope, scope_id, key)
             ) STRICT, WITHOUT ROWID""",
+        ),
+    ),
+    Migration(
+        5,
+        "the hook event trail and session messages",
+        (
+            """CREATE TABLE events (
+                event_id INTEGER PRIMARY KEY,
+                session_id TEXT,
+                agent_session_id TEXT,
+                kind TEXT NOT NULL,
+                at INTEGER NOT NULL,
+                payload BLOB,
+                daemon_id TEXT NOT NULL,
+                CHECK (session_id IS NOT NULL OR agent_session_id IS NOT NULL)
+            ) STRICT""",
+            "CREATE INDEX events_by_session ON events (session_id) WHERE session_id IS NOT NULL",
+            """CREATE INDEX events_by_agent_session ON events (agent_session_id)
+               WHERE agent_session_id IS NOT NULL""",
+            "CREATE INDEX events_by_at ON events (at)",
+            """CREATE TABLE messages (
+                message_id TEXT PRIMARY KEY,
+                session_id TEXT NOT NULL,
+                agent_session_id TEXT,
+                text TEXT NOT NULL,
+                status TEXT NOT NULL CHECK (status IN ('queued', 'delivered', 'read')),
+                created_at INTEGER NOT NULL,
+                updated_at INTEGER NOT NULL,
+                daemon_id TEXT NOT NULL
+            ) STRICT""",
+            "CREATE INDEX messages_by_session ON messages (session_id, created_at)",
         ),
     ),
 )

@@ -47,6 +47,8 @@ class StoreConfig:
     completed_ttl_ms: int = DAY_MS
     worker_ttl_ms: int = DEFAULT_WORKER_TTL_MS  # a worker silent this long is reaped
     retention_ms: int = 30 * DAY_MS  # audit events, settled dispatches, ended workers
+    event_retention_ms: int = 30 * DAY_MS  # hook events
+    events_per_session: int = 5000  # hook events kept per session, newest first
     max_batch: int = 256
     # Open the store as this daemon id instead of the state dir's own (several
     # daemons sharing one store; tests of ownership between daemons).
@@ -115,6 +117,9 @@ class Store:
         self._upkeep_limiter = anyio.CapacityLimiter(1)
         self._inline = _open_inline_reader(db_path)
         self._inline_current = False  # does the loop's read transaction see the last commit?
+        # Called on the loop with each committed batch's change notes (the watch hub).
+        self.on_changes: Callable[[list[tuple[str, Any]]], None] | None = None
+        self._changes: list[tuple[str, Any]] = []
 
     # --- the API handlers use ------------------------------------------------------
 
@@ -196,6 +201,9 @@ class Store:
             with anyio.CancelScope(shield=True):
                 await self._writer.run(self._run_batch, batch)
             self._inline_current = False  # before any caller hears of this commit
+            changes, self._changes = self._changes, []
+            if changes and self.on_changes is not None:
+                self.on_changes(changes)  # watchers hear no later than the writers
             for job in batch:
                 if job.future.done():
                     continue  # its caller went away; the write stands
@@ -210,7 +218,8 @@ class Store:
 
     def _run_batch(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:
         """On the database thread: one transaction, one savepoint per job, one commit."""
-        tx = Tx(conn, self.daemon_id, self.owner_epoch, now_ms())
+        tx = Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), changes=[])
+        assert tx.changes is not None
         try:
             conn.execute("BEGIN IMMEDIATE")
             current = conn.execute(
@@ -223,10 +232,12 @@ class Store:
                 return
             for job in jobs:
                 conn.execute("SAVEPOINT request")
+                noted = len(tx.changes)
                 try:
                     job.result = job.fn(tx, *job.args)
                 except BaseException as exc:  # noqa: BLE001 - delivered to the caller
                     job.error = exc
+                    del tx.changes[noted:]  # rolled back: nothing to tell
                     if not conn.in_transaction:
                         # SQLite rolled the whole transaction back (disk full, I/O error).
                         _fail_all(jobs, exc)
@@ -236,6 +247,7 @@ class Store:
             crash_point("batch.before_commit")
             conn.execute("COMMIT")
             crash_point("batch.after_commit")
+            self._changes = tx.changes
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")

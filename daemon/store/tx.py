@@ -18,12 +18,24 @@ _unpacker = msgspec.msgpack.Decoder()
 
 @dataclass(frozen=True, slots=True)
 class Tx:
-    """A store function's context; ``now`` is one clock reading per transaction."""
+    """A store function's context; ``now`` is one clock reading per transaction.
+
+    ``changes`` collects what a write changed, as ``(topic, data)`` notes, for the
+    ``watch`` subscribers; the writer publishes the notes of committed requests
+    only. Reads and start-up have none.
+    """
 
     conn: sqlite3.Connection
     daemon_id: str
     owner_epoch: int
     now: int
+    changes: list[tuple[str, Any]] | None = None
+
+
+def note(tx: Tx, topic: str, data: Any) -> None:
+    """Tell watchers of ``topic`` about a change this write makes (sent after commit)."""
+    if tx.changes is not None:
+        tx.changes.append((topic, data))
 
 
 @dataclass(frozen=True, slots=True)

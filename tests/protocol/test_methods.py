@@ -145,6 +145,9 @@ def test_method_table_is_closed_and_consistent() -> None:
         "dispatch.cancel",
         "kv.set",
         "kv.delete",
+        "event.record",
+        "session.message",
+        "message.ack",
     }
 
 

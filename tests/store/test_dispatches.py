@@ -1294,7 +1294,12 @@ async def test_prune_history_removes_old_settled_rows_and_keeps_active_ones(
         young_events = await event_count(store) - old_events
 
         pruned = await store.write(at(later, retention.prune_history), DAY)
-        assert pruned == {"audit_events": old_events, "dispatches": 4, "workers": 1}
+        assert pruned == {
+            "audit_events": old_events,
+            "dispatches": 4,
+            "workers": 1,
+            "hook_events": 0,
+        }
         remaining = await sql(store, "SELECT dispatch_id, status FROM dispatches ORDER BY 1")
         assert remaining == [
             (active, "claimed"),
@@ -1307,7 +1312,7 @@ async def test_prune_history_removes_old_settled_rows_and_keeps_active_ones(
         assert gone_dispatch not in {r[0] for r in remaining}
         assert await event_count(store) == young_events
         assert await store.write(at(later, retention.prune_history), DAY) == {
-            "audit_events": 0, "dispatches": 0, "workers": 0,
+            "audit_events": 0, "dispatches": 0, "workers": 0, "hook_events": 0,
         }  # fmt: skip
         # Three old attempts of OLD are gone: its budget is fresh.
         fresh = await claim(store, young_w, "OLD", shift=later)

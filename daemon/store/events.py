@@ -1,0 +1,214 @@
+"""The hook event trail: one row per agent hook event, stamped with the daemon's clock.
+
+An event is filed under the fleet session it belongs to and under the agent's
+own session id, so a trail can be asked for by either: a session restored
+under a new towerd id keeps its agent session id. ``heartbeat`` events count for
+activity but are kept out of trails. Attention is derived from the newest
+event: an agent that asked for the user (``Notification``) needs you, one that
+finished its turn (``Stop``) is done, one that ended (``SessionEnd``, or a row
+marked exited) has exited, anything else is running.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from towerd.daemon.store import fleet
+from towerd.daemon.store.tx import Tx, note, pack, take_page, unpack
+from towerd.protocol.errors import BadArgs, NotFound
+from towerd.protocol.methods import (
+    EventListResult,
+    EventRecordResult,
+    RestorePlanEntry,
+    RestorePlanResult,
+    SessionActivity,
+    SessionActivityResult,
+    TrailEvent,
+)
+
+HEARTBEAT = "heartbeat"
+_ATTENTION_BY_KIND = {"Notification": "needs_you", "Stop": "done", "SessionEnd": "exited"}
+
+
+def attention(exited: bool, last_kind: str | None) -> str:
+    if exited:
+        return "exited"
+    return _ATTENTION_BY_KIND.get(last_kind or "", "running")
+
+
+def record(
+    tx: Tx,
+    kind: str,
+    session_id: str | None,
+    agent_session_id: str | None,
+    payload: Any,
+    max_payload: int,
+) -> EventRecordResult:
+    """File one event; an agent session id alone is matched to this daemon's session."""
+    if session_id is None and agent_session_id is None:
+        raise BadArgs("an event needs a session_id or an agent_session_id")
+    if session_id is not None:
+        row = tx.conn.execute(
+            "SELECT agent_session_id FROM sessions WHERE session_id = ? AND daemon_id = ?",
+            (session_id, tx.daemon_id),
+        ).fetchone()
+        if row is None:
+            raise NotFound(
+                f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
+            )
+        agent_session_id = agent_session_id or row[0]
+    else:
+        found = tx.conn.execute(
+            "SELECT session_id FROM sessions WHERE agent_session_id = ? AND daemon_id = ?",
+            (agent_session_id, tx.daemon_id),
+        ).fetchone()
+        session_id = found[0] if found else None
+    packed = pack(payload)
+    if len(packed) > max_payload:
+        raise BadArgs(
+            f"the event payload is {len(packed)} bytes as msgpack; the limit is {max_payload}",
+            {"bytes": len(packed), "max_bytes": max_payload},
+        )
+    event_id = tx.conn.execute(
+        """INSERT INTO events (session_id, agent_session_id, kind, at, payload, daemon_id)
+           VALUES (?, ?, ?, ?, ?, ?)""",
+        (session_id, agent_session_id, kind, tx.now, packed, tx.daemon_id),
+    ).lastrowid
+    assert event_id is not None
+    note(tx, "events", TrailEvent(event_id, session_id, agent_session_id, kind, tx.now, payload))
+    return EventRecordResult(event_id=event_id, at=tx.now, session_id=session_id)
+
+
+def _in(column: str, values: list[str]) -> tuple[str, list[str]]:
+    return f"{column} IN ({', '.join('?' * len(values))})", values
+
+
+def list_events(
+    tx: Tx,
+    session_ids: list[str] | None,
+    agent_session_ids: list[str] | None,
+    kinds: list[str] | None,
+    before: int | None,
+    limit: int,
+    byte_budget: int,
+) -> EventListResult:
+    """Newest first. An absent id list does not filter, an empty one matches nothing,
+    and the given lists combine with OR; so a scope of only empty lists matches no row."""
+    where: list[str] = ["event_id < ?"]
+    args: list[Any] = [before if before is not None else 2**63 - 1]
+    if session_ids is not None or agent_session_ids is not None:
+        scope = [
+            _in(column, ids)
+            for column, ids in (
+                ("session_id", session_ids),
+                ("agent_session_id", agent_session_ids),
+            )
+            if ids
+        ]
+        if not scope:
+            return EventListResult(events=[])
+        where.append("(" + " OR ".join(clause for clause, _ in scope) + ")")
+        args += [value for _, values in scope for value in values]
+    if kinds is None:
+        where.append("kind != ?")
+        args.append(HEARTBEAT)
+    elif not kinds:
+        return EventListResult(events=[])
+    else:
+        clause, values = _in("kind", kinds)
+        where.append(clause)
+        args += values
+    rows = tx.conn.execute(
+        "SELECT event_id, session_id, agent_session_id, kind, at, payload FROM events "
+        f"WHERE {' AND '.join(where)} ORDER BY event_id DESC LIMIT ?",
+        (*args, limit + 1),
+    ).fetchall()
+    events = [(row[0], TrailEvent(*row[:5], payload=unpack(row[5]))) for row in rows]
+    page, next_before = take_page(events, limit, byte_budget)
+    return EventListResult(events=page, next_before=next_before)
+
+
+def _latest(tx: Tx, session_id: str, agent_session_id: str | None) -> tuple[Any, Any]:
+    """(newest event time, newest non-heartbeat kind) filed under either id."""
+    scope = "session_id = ?" + (" OR agent_session_id = ?" if agent_session_id else "")
+    ids = (session_id, agent_session_id) if agent_session_id else (session_id,)
+    newest = tx.conn.execute(f"SELECT max(at) FROM events WHERE {scope}", ids).fetchone()[0]
+    kind = tx.conn.execute(
+        f"SELECT kind FROM events WHERE ({scope}) AND kind != ? ORDER BY event_id DESC LIMIT 1",
+        (*ids, HEARTBEAT),
+    ).fetchone()
+    return newest, kind[0] if kind else None
+
+
+def activity(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:
+    rows = tx.conn.execute(
+        "SELECT session_id, agent_session_id, exited FROM sessions WHERE daemon_id = ? "
+        "ORDER BY rowid",
+        (tx.daemon_id,),
+    ).fetchall()
+    wanted = None if session_ids is None else set(session_ids)
+    sessions = []
+    for session_id, agent_session_id, exited in rows:
+        if wanted is not None and session_id not in wanted:
+            continue
+        newest, kind = _latest(tx, session_id, agent_session_id)
+        sessions.append(
+            SessionActivity(session_id, newest, kind, attention(bool(exited), kind))  # type: ignore[arg-type]
+        )
+    return SessionActivityResult(sessions=sessions)
+
+
+def restore_plan(tx: Tx) -> RestorePlanResult:
+    """This daemon's sessions that have not exited, newest activity first, each top-level
+    session followed by its own sub-sessions (newest first), so a wrapper restoring in
+    order always brings a parent back before its children."""
+    rows = [row for row in fleet.list_all(tx) if not row.exited]
+    present = {row.session_id for row in rows}
+
+    def recency(row: Any) -> int:
+        newest, _kind = _latest(tx, row.session_id, row.agent_session_id)
+        return max(newest or 0, row.last_attached_at or 0, row.updated_at)
+
+    entries = {
+        row.session_id: RestorePlanEntry(
+            session_id=row.session_id,
+            parent=row.parent if row.parent in present else None,
+            agent=row.agent,
+            agent_session_id=row.agent_session_id,
+            cwd=row.cwd,
+            name=row.name,
+            model=row.model,
+            effort=row.effort,
+            target=row.target,
+            target_identity=row.target_identity,
+            transcript_path=row.transcript_path,
+            last_activity_at=recency(row),
+        )
+        for row in rows
+    }
+    newest_first = sorted(entries.values(), key=lambda e: -(e.last_activity_at or 0))
+    plan: list[RestorePlanEntry] = []
+    for entry in newest_first:
+        if entry.parent is None:
+            plan.append(entry)
+            plan += [child for child in newest_first if child.parent == entry.session_id]
+    return RestorePlanResult(sessions=plan)
+
+
+def prune(tx: Tx, cutoff: int, per_session: int) -> int:
+    """Events older than ``cutoff``, and beyond the newest ``per_session`` of a session."""
+    pruned = tx.conn.execute("DELETE FROM events WHERE at < ?", (cutoff,)).rowcount
+    for column in ("session_id", "agent_session_id"):
+        crowded = tx.conn.execute(
+            f"SELECT {column} FROM events WHERE {column} IS NOT NULL "
+            f"GROUP BY {column} HAVING count(*) > ?",
+            (per_session,),
+        ).fetchall()
+        for (owner,) in crowded:
+            pruned += tx.conn.execute(
+                f"""DELETE FROM events WHERE {column} = ? AND event_id < (
+                        SELECT event_id FROM events WHERE {column} = ?
+                        ORDER BY event_id DESC LIMIT 1 OFFSET ?)""",
+                (owner, owner, per_session - 1),
+            ).rowcount
+    return pruned

@@ -1,0 +1,117 @@
+"""Messages left for a session (by an operator or another agent), with their status.
+
+``session.message`` with an idempotency key claims, inserts and completes the key
+in one transaction, like ``session.register``, so a retry answers the same
+message id and never stores a second copy. A key left ``outcome_unknown`` (an
+``idem.claim`` under operation ``session.message`` whose claimant died) is settled
+by reconciliation's evidence probe (``reconcile.EVIDENCE_PROBES``): the message row
+named by its effect_ref.
+Status only moves forward: queued, delivered, read.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import msgspec
+
+from towerd.daemon.store.idempotency import COMPLETED, Holder, payload_hash, replay_or_refuse
+from towerd.daemon.store.idempotency import insert as insert_key
+from towerd.daemon.store.tx import Tx
+from towerd.protocol.errors import Conflict, NotFound
+from towerd.protocol.methods import (
+    MessageListResult,
+    MessageRecord,
+    SessionMessageParams,
+    SessionMessageResult,
+)
+
+MESSAGE_OPERATION = "session.message"
+_ORDER = {"queued": 0, "delivered": 1, "read": 2}
+_COLUMNS = "message_id, session_id, agent_session_id, text, status, created_at, updated_at"
+
+
+def send(
+    tx: Tx, principal: str, params: SessionMessageParams, holder: Holder | None
+) -> SessionMessageResult:
+    key = params.idempotency_key
+    if key is None:
+        return SessionMessageResult(_insert(tx, params.session_id, params.text), "queued")
+    request = msgspec.structs.asdict(params)
+    del request["idempotency_key"]
+    digest = payload_hash(request)
+    stored = replay_or_refuse(tx, principal, MESSAGE_OPERATION, key, digest, holder)
+    if stored is not None:
+        result = stored.result
+        if not isinstance(result, dict) or not isinstance(result.get("message_id"), str):
+            raise Conflict(
+                f"key {key!r} of {MESSAGE_OPERATION} holds a result that is not a message "
+                f"({result!r:.100}); use another key",
+                {"operation": MESSAGE_OPERATION, "key": key},
+            )
+        current = _load(tx, result["message_id"])
+        status = current.status if current else result.get("status", "queued")
+        return SessionMessageResult(result["message_id"], status)
+    message_id = _insert(tx, params.session_id, params.text)
+    insert_key(
+        tx, principal, MESSAGE_OPERATION, key, digest, COMPLETED, message_id,
+        {"message_id": message_id, "status": "queued"}, holder,
+    )  # fmt: skip
+    return SessionMessageResult(message_id, "queued")
+
+
+def _insert(tx: Tx, session_id: str, text: str) -> str:
+    row = tx.conn.execute(
+        "SELECT agent_session_id FROM sessions WHERE session_id = ? AND daemon_id = ?",
+        (session_id, tx.daemon_id),
+    ).fetchone()
+    if row is None:
+        raise NotFound(
+            f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
+        )
+    message_id = str(uuid.uuid4())
+    tx.conn.execute(
+        f"""INSERT INTO messages ({_COLUMNS}, daemon_id)
+            VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)""",
+        (message_id, session_id, row[0], text, tx.now, tx.now, tx.daemon_id),
+    )
+    return message_id
+
+
+def _load(tx: Tx, message_id: str) -> MessageRecord | None:
+    row = tx.conn.execute(
+        f"SELECT {_COLUMNS} FROM messages WHERE message_id = ?", (message_id,)
+    ).fetchone()
+    return None if row is None else MessageRecord(*row)
+
+
+def list_messages(tx: Tx, session_id: str, status: str | None, limit: int) -> MessageListResult:
+    """The oldest ``limit`` messages of a session (a queue is read from its head)."""
+    where, args = "session_id = ?", [session_id]
+    if status is not None:
+        where += " AND status = ?"
+        args.append(status)
+    rows = tx.conn.execute(
+        f"SELECT {_COLUMNS} FROM messages WHERE {where} ORDER BY created_at, rowid LIMIT ?",
+        (*args, limit),
+    ).fetchall()
+    return MessageListResult(messages=[MessageRecord(*row) for row in rows])
+
+
+def ack(tx: Tx, message_id: str, status: str) -> MessageRecord:
+    """Move a message forward (queued -> delivered -> read); acking again is a no-op."""
+    current = _load(tx, message_id)
+    if current is None:
+        raise NotFound(f"no message {message_id}", {"message_id": message_id})
+    if _ORDER[status] < _ORDER[current.status]:
+        raise Conflict(
+            f"message {message_id} is already {current.status}; status only moves forward",
+            {"message_id": message_id, "status": current.status},
+        )
+    if status != current.status:
+        tx.conn.execute(
+            "UPDATE messages SET status = ?, updated_at = ? WHERE message_id = ?",
+            (status, tx.now, message_id),
+        )
+        current = msgspec.structs.replace(current, status=status, updated_at=tx.now)
+    return current
