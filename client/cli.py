@@ -656,6 +656,8 @@ COMMAND_PATHS = frozenset(
         ("effects", "list"), ("effects", "resolve"), ("leases",),
         ("kv", "get"), ("kv", "set"), ("kv", "delete"), ("kv", "list"), ("workers",),
         ("dispatch", "list"), ("dispatch", "get"), ("dispatch", "stuck"), ("audit",),
+        ("hook-report",), ("events", "list"), ("events", "tail"), ("fleet", "restore-plan"),
+        ("message", "send"), ("message", "list"), ("message", "ack"), ("top",),
     }
 )  # fmt: skip
 _OPTIONS_WITH_VALUES = ("--socket", "--principal", "--timeout")
@@ -757,6 +759,14 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
         "take over the rows of a daemon that is gone for good",
     )
     p.add_argument("daemon_id")
+    command(
+        fleet,
+        "restore-plan",
+        lambda c, a: c.fleet_restore_plan(),
+        "what to bring back after a restart: sessions that have not exited, newest "
+        "activity first, each parent before its sub-sessions",
+        render_restore_plan,
+    )
 
     session = command(commands, "session", None, "one fleet row")
     p = command(session, "register", cmd_session_register, "insert a row; prints its session id")
@@ -919,6 +929,7 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
 
     _add_exactly_once_commands(command, commands)
     _add_dispatch_commands(command, commands)
+    _add_trail_commands(command, commands)
     return parser
 
 
@@ -1156,8 +1167,155 @@ def _add_dispatch_commands(command: Any, commands: Any) -> None:
     )
 
 
+def _add_trail_commands(command: Any, commands: Any) -> None:
+    """hook-report, events list|tail, message send|list|ack, top."""
+    p = command(
+        commands,
+        "hook-report",
+        cmd_hook_report,
+        "record an agent hook's JSON (stdin) as an event; always exits 0, prints nothing",
+    )
+    p.set_defaults(offline=True, raw=True)
+    events = command(commands, "events", None, "the hook event trail")
+    p = command(events, "list", cmd_events_list, "a trail, newest first", render_events)
+    p.add_argument(
+        "session",
+        nargs="?",
+        default=None,
+        metavar="SESSION",
+        help="a session id or agent session id (default: every session)",
+    )
+    p.add_argument(
+        "--kind",
+        action="append",
+        dest="kinds",
+        metavar="KIND",
+        help="only events of this kind (repeatable)",
+    )
+    p.add_argument("--limit", type=int, default=None, help="at most N events (1-200)")
+    p = command(events, "tail", cmd_events_tail, "print events as they arrive (Ctrl-C ends)")
+    p.add_argument(
+        "session",
+        nargs="?",
+        default=None,
+        metavar="SESSION",
+        help="a session id or agent session id (default: every session)",
+    )
+    p.add_argument(
+        "--kind",
+        action="append",
+        dest="kinds",
+        metavar="KIND",
+        help="only events of this kind (repeatable)",
+    )
+    p.set_defaults(offline=True, raw=True)
+
+    message = command(commands, "message", None, "messages left for sessions")
+    p = command(message, "send", cmd_message_send, "leave a message for a session")
+    p.add_argument("session_id")
+    p.add_argument("text")
+    p.add_argument("--key", default=None, help="idempotency key: a retry sends it once")
+    p = command(
+        message, "list", cmd_message_list, "a session's messages, oldest first", render_messages
+    )
+    p.add_argument("session_id")
+    p.add_argument("--status", choices=["queued", "delivered", "read"], default=None)
+    p = command(message, "ack", cmd_message_ack, "mark a message delivered or read")
+    p.add_argument("message_id")
+    p.add_argument("--status", choices=["delivered", "read"], default="read")
+
+    p = command(commands, "top", cmd_top, "live dashboard: the fleet and what needs a decision")
+    p.add_argument(
+        "--refresh",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="redraw at least this often (default 1)",
+    )
+    p.set_defaults(offline=True, raw=True)  # fmt: skip
+
+
+def cmd_hook_report(_client: None, args: argparse.Namespace) -> int:
+    from towerd.client.hook_report import report
+
+    return report(socket_path=args.socket)
+
+
+def cmd_events_list(client: Client, args: argparse.Namespace) -> Any:
+    ids = _scope_ids(args.session)
+    return client.event_list(**ids, kinds=args.kinds, limit=args.limit)
+
+
+def _scope_ids(session: str | None) -> dict[str, Any]:
+    """A SESSION argument matches either id: a towerd session id or an agent session id."""
+    if session is None:
+        return {}
+    return {"session_ids": [session] if _is_uuid(session) else [], "agent_session_ids": [session]}
+
+
+def _is_uuid(text: str) -> bool:
+    parts = text.split("-")
+    return [len(part) for part in parts] == [8, 4, 4, 4, 12] and all(
+        c in "0123456789abcdef" for c in text.replace("-", "")
+    )
+
+
+def cmd_events_tail(_client: None, args: argparse.Namespace) -> int:
+    from towerd.client.trail import tail_events
+
+    return tail_events(args, _scope_ids(args.session))
+
+
+def cmd_message_send(client: Client, args: argparse.Namespace) -> Any:
+    return client.session_message(args.session_id, args.text, idempotency_key=args.key)
+
+
+def cmd_message_list(client: Client, args: argparse.Namespace) -> Any:
+    return client.message_list(args.session_id, status=args.status)
+
+
+def cmd_message_ack(client: Client, args: argparse.Namespace) -> Any:
+    return client.message_ack(args.message_id, args.status)
+
+
+def cmd_top(_client: None, args: argparse.Namespace) -> int:
+    from towerd.client.top import run_top
+
+    return run_top(args)
+
+
+def render_events(result: dict[str, Any]) -> str:
+    return _table(
+        result["events"],
+        [("event_id", "ID"), ("at", "AT"), ("kind", "KIND"), ("session_id", "SESSION"),
+         ("agent_session_id", "AGENT_SESSION")],
+    )  # fmt: skip
+
+
+def render_messages(result: dict[str, Any]) -> str:
+    return _table(
+        result["messages"],
+        [("message_id", "MESSAGE"), ("status", "STATUS"), ("created_at", "CREATED"),
+         ("text", "TEXT")],
+    )  # fmt: skip
+
+
+def render_restore_plan(result: dict[str, Any]) -> str:
+    return _table(
+        result["sessions"],
+        [("session_id", "SESSION"), ("parent", "PARENT"), ("agent", "AGENT"),
+         ("agent_session_id", "AGENT_SESSION"), ("cwd", "CWD"),
+         ("last_activity_at", "LAST_ACTIVITY")],
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["hook-report"]:
+        # Every agent hook runs this: no parser, no output, exit 0 whatever happens.
+        from towerd.client.hook_report import report
+
+        sys.exit(report())
     args = build_parser(command_path(argv)).parse_args(argv)
     sys.exit(run(args))
 

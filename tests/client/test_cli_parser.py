@@ -61,6 +61,10 @@ def test_the_lean_parser_parses_like_the_full_one(path):
         ("dispatch", "get"): ["7"],
         ("dispatch", "stuck"): ["--project-root", "/p", "--window", "4"],
         ("audit",): ["--category", "lease", "--type", "lease-granted", "--limit", "600"],
+        ("events", "list"): ["agent-1", "--kind", "Stop", "--limit", "5"],
+        ("events", "tail"): ["--kind", "Notification"],
+        ("message", "send"): ["s", "hello", "--key", "k1"], ("message", "list"): ["s"],
+        ("message", "ack"): ["m", "--status", "delivered"], ("top",): ["--refresh", "0.5"],
     }  # fmt: skip
     argv = ["--json", *path, *samples.get(path, ["o", "k"] if path[0] == "idem" else [])]
     if path == ("idem", "list"):
