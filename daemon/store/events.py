@@ -166,8 +166,11 @@ def restore_plan(tx: Tx) -> RestorePlanResult:
     present = {row.session_id for row in rows}
 
     def recency(row: Any) -> int:
+        """Activity is the trail and the last attach; a row's own writes (a rename, a
+        whole-fleet write) are not, and count only for a session with neither."""
         newest, _kind = _latest(tx, row.session_id, row.agent_session_id)
-        return max(newest or 0, row.last_attached_at or 0, row.updated_at)
+        active = max(newest or 0, row.last_attached_at or 0)
+        return active or row.updated_at
 
     entries = {
         row.session_id: RestorePlanEntry(

@@ -431,9 +431,13 @@ def adopt_fleet(tx: Tx, principal: str, from_daemon_id: str) -> FleetAdoptResult
     interrupted = tx.conn.execute(
         """UPDATE idempotency SET state = 'outcome_unknown', updated_at = ?
            WHERE state = 'in_progress' AND daemon_id = ?
-           RETURNING rowid, operation, effect_ref""",
+           RETURNING rowid, operation, effect_ref, principal, key""",
         (tx.now, from_daemon_id),
     ).fetchall()
+    for _rowid, operation, effect_ref, key_principal, key in interrupted:
+        note(tx, "idem", {"principal": key_principal, "operation": operation, "key": key,
+                          "state": "outcome_unknown", "effect_ref": effect_ref})  # fmt: skip
+    interrupted = [(rowid, operation, ref) for rowid, operation, ref, _p, _k in interrupted]
     keys_adopted = tx.conn.execute(
         "UPDATE idempotency SET daemon_id = ? WHERE daemon_id = ?", (tx.daemon_id, from_daemon_id)
     ).rowcount

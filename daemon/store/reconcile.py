@@ -26,7 +26,7 @@ from towerd.daemon.store.idempotency import (
     expire_completed,
     mark_holders_dead,
 )
-from towerd.daemon.store.tx import Tx, pack
+from towerd.daemon.store.tx import Tx, note, pack
 from towerd.protocol.methods import ReconcileReport
 
 EvidenceProbe = Callable[[Tx, str], "dict[str, Any] | None"]
@@ -151,10 +151,13 @@ def settle(tx: Tx, keys: list[tuple[int, str, str]]) -> set[int]:
         result = None if probe is None else probe(tx, effect_ref)
         if result is None:
             continue
-        tx.conn.execute(
-            "UPDATE idempotency SET state = ?, result = ?, updated_at = ? WHERE rowid = ?",
+        principal, key = tx.conn.execute(
+            "UPDATE idempotency SET state = ?, result = ?, updated_at = ? WHERE rowid = ? "
+            "RETURNING principal, key",
             (COMPLETED, pack(result), tx.now, rowid),
-        )
+        ).fetchone()
+        note(tx, "idem", {"principal": principal, "operation": operation, "key": key,
+                          "state": COMPLETED, "effect_ref": effect_ref})  # fmt: skip
         completed.add(rowid)
     return completed
 

@@ -179,8 +179,9 @@ MIGRATIONS: tuple[Migration, ...] = (
             """CREATE UNIQUE INDEX workers_live_per_process ON workers (pid, process_start)
                WHERE ended_at IS NULL""",
             "CREATE INDEX workers_by_project ON workers (project_root)",
+            # AUTOINCREMENT: a pruned dispatch's id never names a new one.
             """CREATE TABLE dispatches (
-                dispatch_id INTEGER PRIMARY KEY,
+                dispatch_id INTEGER PRIMARY KEY AUTOINCREMENT,
                 unit_type TEXT NOT NULL,
                 unit_id TEXT NOT NULL,
                 milestone_id TEXT NOT NULL,
@@ -213,7 +214,7 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX dispatches_by_milestone ON dispatches (milestone_id, status)",
             "CREATE INDEX dispatches_settled ON dispatches (ended_at) WHERE ended_at IS NOT NULL",
             """CREATE TABLE audit_events (
-                seq INTEGER PRIMARY KEY,
+                seq INTEGER PRIMARY KEY AUTOINCREMENT,
                 event_id TEXT NOT NULL UNIQUE,
                 trace_id TEXT,
                 turn_id TEXT,
@@ -240,8 +241,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         5,
         "the hook event trail and session messages",
         (
+            # AUTOINCREMENT: ids are cursors (``before``); pruning must never let one return.
             """CREATE TABLE events (
-                event_id INTEGER PRIMARY KEY,
+                event_id INTEGER PRIMARY KEY AUTOINCREMENT,
                 session_id TEXT,
                 agent_session_id TEXT,
                 kind TEXT NOT NULL,
