@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from towerd_testing import TOWERCTL
 
@@ -21,9 +22,11 @@ s.connect(sys.argv[1])
 """
 
 
-def imported_modules(command: list[str]) -> set[str]:
-    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+def imported_modules(command: list[str], stdin: str | None = None, **env_vars: str) -> set[str]:
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", **env_vars}
+    result = subprocess.run(
+        command, input=stdin, capture_output=True, text=True, env=env, timeout=60
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return {
         line.rsplit("|", 1)[1].strip()
@@ -32,9 +35,9 @@ def imported_modules(command: list[str]) -> set[str]:
     }
 
 
-def extras_over_floor(daemon, command: list[str]) -> set[str]:
+def extras_over_floor(daemon, command: list[str], **kwargs: str) -> set[str]:
     floor = imported_modules([sys.executable, "-c", FLOOR, str(daemon.socket_path)])
-    return imported_modules(command) - floor
+    return imported_modules(command, **kwargs) - floor
 
 
 def test_towerctl_imports_only_argparse_and_its_own_modules(daemon):
@@ -49,3 +52,26 @@ def test_sync_client_imports_only_its_own_modules(daemon):
     extras = extras_over_floor(daemon, [sys.executable, "-c", script])
     assert "towerd.client.sync" in extras
     assert {m for m in extras if not m.startswith("towerd")} == set()
+
+
+# hook-report reads the hook's JSON with the C scanner alone, not the json package (~1.5 ms).
+HOOK_EXTRAS = CLI_EXTRAS | {"_json"}
+
+
+def test_hook_report_imports_only_the_json_scanner_beyond_towerctl(daemon):
+    """The path every agent hook takes: `towerctl hook-report`, payload on stdin."""
+    payload = Path(__file__).parent.parent / "fixtures" / "hooks" / "PostToolUse.json"
+    with daemon.client() as client:
+        session = client.session_register(cwd="/", agent="claude")["session_id"]
+        extras = extras_over_floor(
+            daemon,
+            [TOWERCTL, "hook-report"],
+            stdin=payload.read_text(),
+            TOWERD_SOCKET=str(daemon.socket_path),
+            TOWERD_SESSION_ID=session,
+        )
+        (event,) = client.event_list()["events"]  # the measured run did record it
+    assert event["kind"] == "PostToolUse" and event["session_id"] == session
+    assert {"towerd.client.hook_report", "towerd.client.sync"} <= extras
+    assert {m for m in extras if not m.startswith("towerd")} <= HOOK_EXTRAS
+    assert not [m for m in extras if m.split(".")[0] in FORBIDDEN]
