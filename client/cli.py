@@ -360,7 +360,7 @@ def _jsonable(value: Any) -> Any:
 
 def _is_time(key: str) -> bool:
     """Fields holding milliseconds since the epoch, shown as UTC times."""
-    return key.endswith("_at") or key == "ts"
+    return key.endswith("_at") or key in ("ts", "at")
 
 
 def _when(millis: Any) -> str:

@@ -384,10 +384,11 @@ class Connection(asyncio.Protocol):
         return self.transport.is_closing()
 
     def close_after(self, frame: bytes) -> None:
-        """Send a last frame and close; a peer that reads nothing more is cut off soon."""
+        """Send a last frame and close once it is read; a peer that reads nothing for the
+        send timeout is cut off (it had time to drain its backlog and see the frame)."""
         self.send(frame)
         self.finish()
-        asyncio.get_running_loop().call_later(1.0, self.transport.abort)
+        asyncio.get_running_loop().call_later(self.limits.send_timeout, self.transport.abort)
 
     def context(self, request: Request, started: float) -> dict[str, Any]:
         caller = self.caller

@@ -50,7 +50,7 @@ def test_wheel_installs_only_the_towerd_namespace(short_tmp):
         .decode()
     )
     assert "towerd = towerd.daemon.main:main" in entry_points
-    assert "towerctl = towerd.client.cli:main" in entry_points
+    assert "towerctl = towerd.client.entry:main" in entry_points
 
 
 def test_non_editable_install_runs(short_tmp):

@@ -44,20 +44,24 @@ def record(
     payload: Any,
     max_payload: int,
 ) -> EventRecordResult:
-    """File one event; an agent session id alone is matched to this daemon's session."""
+    """File one event. A session id must be one of this daemon's sessions; without one,
+    or with one it does not know but an agent session id beside it, the agent session id
+    is matched to this daemon's session (or the event is filed under it alone)."""
     if session_id is None and agent_session_id is None:
         raise BadArgs("an event needs a session_id or an agent_session_id")
+    row = None
     if session_id is not None:
         row = tx.conn.execute(
             "SELECT agent_session_id FROM sessions WHERE session_id = ? AND daemon_id = ?",
             (session_id, tx.daemon_id),
         ).fetchone()
-        if row is None:
+        if row is None and agent_session_id is None:
             raise NotFound(
                 f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
             )
+    if row is not None:
         agent_session_id = agent_session_id or row[0]
-    else:
+    else:  # no session id, or a stale one (a wrapper's old id): the agent's own id decides
         found = tx.conn.execute(
             "SELECT session_id FROM sessions WHERE agent_session_id = ? AND daemon_id = ?",
             (agent_session_id, tx.daemon_id),

@@ -115,3 +115,25 @@ def test_bad_new_command_lines_are_usage_errors(argv, capsys):
         build_parser(command_path(argv)).parse_args(argv)
     assert exited.value.code == 2
     assert "usage: towerctl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["hook-report"], (True, None)),
+        (["--socket", "/s", "hook-report"], (True, "/s")),
+        (["--socket=/t", "--json", "--timeout", "3", "hook-report", "extra"], (True, "/t")),
+        (["--principal=p", "hook-report"], (True, None)),
+        (["ping"], (False, None)),
+        (["--socket", "/s", "events", "tail"], (False, "/s")),
+        ([], (False, None)),
+    ],
+)
+def test_the_entry_point_spots_hook_report_before_loading_the_cli(argv, expected):
+    from towerd.client.entry import hook_report_socket
+
+    is_hook, socket_path = hook_report_socket(argv)
+    assert (is_hook, socket_path if is_hook else None) == (
+        expected[0],
+        expected[1] if expected[0] else None,
+    )

@@ -19,7 +19,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from store_helpers import db_path, entry, opened, query, register, register_params, state_dir
+from store_helpers import (
+    db_path,
+    entry,
+    new_id,
+    opened,
+    query,
+    register,
+    register_params,
+    state_dir,
+)
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import (
     Store,
@@ -871,3 +880,19 @@ async def test_a_version_4_database_migrates_to_version_5(
     with closing(sqlite3.connect(backup)) as old:
         assert old.execute("PRAGMA user_version").fetchone() == (4,)
         assert old.execute("SELECT count(*) FROM sessions").fetchone() == (1,)
+
+
+async def test_a_stale_session_id_beside_a_known_agent_session_id_files_under_the_agent(
+    short_tmp: Path,
+) -> None:
+    """A wrapper's old towerd id (TOWERD_SESSION_ID of a session since replaced) does not
+    lose the event when the agent's own id is known: it is filed under that session."""
+    async with opened(short_tmp) as store:
+        current = await register(store, agent_session_id="as-live")
+        stale = new_id()
+        filed = await record(store, "Stop", stale, "as-live")
+        assert filed.session_id == current
+        orphan = await record(store, "Stop", new_id(), "as-nobody")
+        assert orphan.session_id is None
+        with pytest.raises(NotFound):
+            await record(store, "Stop", stale)
