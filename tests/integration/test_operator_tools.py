@@ -67,8 +67,15 @@ def test_doctor_reports_health_and_what_needs_attention(daemon):
     report = json.loads(healthy.stdout)
     assert report["ok"] is True
     assert {f["check"] for f in report["findings"]} >= {
-        "daemon", "socket dir", "socket", "state dir", "database file", "integrity", "schema",
-        "wal", "outcome_unknown",
+        "daemon",
+        "socket dir",
+        "socket",
+        "state dir",
+        "database file",
+        "integrity",
+        "schema",
+        "wal",
+        "outcome_unknown",
     }
     with daemon.client(principal="agent-3") as client:
         client.idem_claim("git.push", "branch-x")
