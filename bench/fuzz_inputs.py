@@ -366,6 +366,37 @@ VETTED = frozenset(
         "effect.resolve",
         "effect.get",
         "effect.list",
+        # workers, dispatch, audit, kv, the trail, messages: the daemon's own database only
+        # (worker.register makes the fuzzing process a worker; it is reaped when it exits)
+        "worker.register",
+        "worker.heartbeat",
+        "worker.stopping",
+        "worker.list",
+        "dispatch.claim",
+        "dispatch.start",
+        "dispatch.complete",
+        "dispatch.fail",
+        "dispatch.stuck",
+        "dispatch.pause",
+        "dispatch.cancel",
+        "dispatch.get",
+        "dispatch.list",
+        "dispatch.recent",
+        "dispatch.stuck_report",
+        "audit.list",
+        "kv.set",
+        "kv.get",
+        "kv.delete",
+        "kv.list",
+        "event.record",
+        "event.list",
+        "session.activity",
+        "session.message",
+        "message.list",
+        "message.ack",
+        "fleet.restore_plan",
+        # not "watch": it turns the connection into a subscription of pushed frames,
+        # which the fuzzer's request/answer oracle does not model
     }
 )
 SANDBOXED = {"backup": "path"}  # method -> the param naming a file it writes

@@ -246,9 +246,13 @@ class Connection(asyncio.Protocol):
         return True
 
     def pause_writing(self) -> None:
-        """The peer is not reading: take no more requests, drop it if it stays so."""
+        """The peer is not reading: take no more requests, drop it if it stays so. A
+        watcher is bounded by its queue instead (``too_slow``, daemon/watch.py): a pause
+        in reading under that bound is its right."""
         self.writing_blocked = True
         self.update_reading()
+        if self.subscription is not None and not self.finishing:
+            return
         loop = asyncio.get_running_loop()
         self.send_timer = loop.call_later(self.limits.send_timeout, self.drop_non_reader)
 

@@ -120,6 +120,7 @@ class Store:
         # Called on the loop with each committed batch's change notes (the watch hub).
         self.on_changes: Callable[[list[tuple[str, Any]]], None] | None = None
         self._changes: list[tuple[str, Any]] = []
+        self._batch_in_flight = False
 
     # --- the API handlers use ------------------------------------------------------
 
@@ -160,7 +161,10 @@ class Store:
             raise _as_wire_error(exc) from exc
 
     def release_read_snapshot(self) -> None:
-        """End the loop's read transaction (it would hold back a truncating checkpoint)."""
+        """End the loop's read transaction (it would hold back a truncating checkpoint);
+        not while a batch may be committing (see :meth:`_pin_read_snapshot`)."""
+        if self._batch_in_flight:
+            return
         if self._inline.in_transaction:
             self._inline.execute("COMMIT")
         self._inline_current = False
@@ -198,8 +202,13 @@ class Store:
                 continue
             batch = self._queue[: self.config.max_batch]
             del self._queue[: self.config.max_batch]
-            with anyio.CancelScope(shield=True):
-                await self._writer.run(self._run_batch, batch)
+            self._pin_read_snapshot()
+            self._batch_in_flight = True
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._writer.run(self._run_batch, batch)
+            finally:
+                self._batch_in_flight = False
             self._inline_current = False  # before any caller hears of this commit
             changes, self._changes = self._changes, []
             if changes and self.on_changes is not None:
@@ -215,6 +224,19 @@ class Store:
                     job.future.set_result(job.result)
             if self._superseded:
                 self.superseded.set()
+
+    def _pin_read_snapshot(self) -> None:
+        """Fix the loop's read snapshot before a batch may commit. A read on the loop while
+        the batch is in flight (a watch snapshot) then sees the state before it, and the
+        batch's changes reach that watcher as pushes after it, never in both."""
+        if self._inline_current:
+            return
+        conn = self._inline
+        if conn.in_transaction:
+            conn.execute("COMMIT")
+        conn.execute("BEGIN")
+        conn.execute("SELECT 1 FROM meta LIMIT 1").fetchone()  # a read starts the snapshot
+        self._inline_current = True
 
     def _run_batch(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:
         """On the database thread: one transaction, one savepoint per job, one commit."""
