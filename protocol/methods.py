@@ -609,6 +609,9 @@ class WorkerListParams(Struct):
     status: WorkerStatus | None = None
     project_root: AbsolutePath | None = None
 
+    def __post_init__(self) -> None:
+        _require_absolute("project_root", self.project_root)
+
 
 class WorkerListResult(Struct):
     workers: list[WorkerRecord]

@@ -272,3 +272,21 @@ def test_session_id_must_be_a_lowercase_uuid() -> None:
         decode_params("fleet.get", {"session_id": upper})
     lower = upper.lower()
     assert decode_params("fleet.get", {"session_id": lower}).session_id == lower
+
+
+@pytest.mark.parametrize(
+    ("method", "params"),
+    [
+        ("worker.register", {"project_root": "/a\0b"}),
+        ("worker.register", {"project_root": "relative"}),
+        ("worker.list", {"project_root": "/a\0b"}),  # found by the fuzzer: was internal
+        ("worker.list", {"project_root": "relative"}),
+        ("dispatch.recent", {"project_root": "/a\0b"}),
+        ("dispatch.stuck_report", {"project_root": "x/y"}),
+    ],
+)
+def test_project_roots_must_be_absolute_paths_without_nul(method: str, params: dict) -> None:
+    """A path the daemon would resolve (realpath) is refused at the boundary: a NUL byte
+    made os.path.realpath raise inside the handler, answered ``internal``."""
+    with pytest.raises(msgspec.ValidationError, match="absolute path"):
+        decode_params(method, params)
