@@ -1351,6 +1351,8 @@ def run(args: argparse.Namespace) -> int:
         print(_json().dumps(result, indent=2, sort_keys=True, default=_jsonable))
     else:
         print(args.render(result))
+        if isinstance(result, dict) and result.get("truncated"):
+            print("towerctl: the list was cut to fit one answer; narrow it", file=sys.stderr)
     return EXIT_OK
 
 

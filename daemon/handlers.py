@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from towerd.daemon.processes import holder_of
 from towerd.daemon.store import (
     Store,
@@ -41,7 +43,7 @@ from towerd.daemon.store import (
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.legacy import import_legacy
 from towerd.daemon.store.status import status_counts
-from towerd.daemon.store.tx import now_ms
+from towerd.daemon.store.tx import fit, now_ms
 from towerd.protocol import PROTOCOL_VERSION, SERVER_NAME, VERSION
 from towerd.protocol import methods as m
 from towerd.protocol.errors import BadArgs, Conflict
@@ -316,7 +318,7 @@ class Handlers:
         return self.store.read_now(leases.get, params.resource)
 
     async def lease_list(self, caller: Caller, params: m.Empty) -> m.LeaseListResult:
-        return m.LeaseListResult(leases=await self.store.read(leases.list_live))
+        return self._fitted(m.LeaseListResult(leases=await self.store.read(leases.list_live)))
 
     # --- the effects ledger -------------------------------------------------------------------
 
@@ -364,7 +366,8 @@ class Handlers:
         return self.store.read_now(effects.get, params.effect_key)
 
     async def effect_list(self, caller: Caller, params: m.EffectListParams) -> m.EffectListResult:
-        return m.EffectListResult(effects=await self.store.read(effects.list_run, params.run_id))
+        listed = await self.store.read(effects.list_run, params.run_id)
+        return self._fitted(m.EffectListResult(effects=listed))
 
     # --- workers and the dispatch ledger --------------------------------------------------
 
@@ -391,7 +394,9 @@ class Handlers:
         return self.store.write(workers.stopping, caller.principal, caller.holder, params.worker_id)
 
     async def worker_list(self, caller: Caller, params: m.WorkerListParams) -> m.WorkerListResult:
-        return await self.store.read(workers.list_workers, params.status, params.project_root)
+        return self._fitted(
+            await self.store.read(workers.list_workers, params.status, params.project_root)
+        )
 
     def dispatch_claim(
         self, caller: Caller, params: m.DispatchClaimParams
@@ -439,7 +444,7 @@ class Handlers:
     async def dispatch_list(
         self, caller: Caller, params: m.DispatchListParams
     ) -> m.DispatchListResult:
-        return await self.store.read(
+        listed = await self.store.read(
             dispatches.list_dispatches,
             params.unit_type,
             params.unit_id,
@@ -448,6 +453,7 @@ class Handlers:
             params.worker_id,
             params.limit,
         )
+        return self._fitted(listed, keep="last")  # the most recent ones matter most
 
     async def dispatch_recent(
         self, caller: Caller, params: m.DispatchRecentParams
@@ -530,7 +536,7 @@ class Handlers:
     async def session_activity(
         self, caller: Caller, params: m.SessionActivityParams
     ) -> m.SessionActivityResult:
-        return await self.store.read(events.activity, params.session_ids)
+        return self._fitted(await self.store.read(events.activity, params.session_ids))
 
     def session_message(
         self, caller: Caller, params: m.SessionMessageParams
@@ -540,8 +546,10 @@ class Handlers:
     async def message_list(
         self, caller: Caller, params: m.MessageListParams
     ) -> m.MessageListResult:
-        return await self.store.read(
-            messages.list_messages, params.session_id, params.status, params.limit
+        return self._fitted(
+            await self.store.read(
+                messages.list_messages, params.session_id, params.status, params.limit
+            )
         )
 
     def message_ack(self, caller: Caller, params: m.MessageAckParams) -> Future[m.MessageRecord]:
@@ -555,7 +563,16 @@ class Handlers:
         return self.store.read_now(snapshot.take, topics, self.info.page_bytes)
 
     async def fleet_restore_plan(self, caller: Caller, params: m.Empty) -> m.RestorePlanResult:
-        return await self.store.read(events.restore_plan)
+        return self._fitted(await self.store.read(events.restore_plan))
+
+    def _fitted(self, result: Any, *, keep: str = "first") -> Any:
+        """Cut a result's one list to fit a frame, flagging ``truncated``: these answers
+        have no cursor, and an answer over the frame limit would be ``internal``."""
+        (name,) = (f for f in result.__struct_fields__ if f != "truncated")
+        items, truncated = fit(getattr(result, name), self.info.page_bytes, keep=keep)
+        if not truncated:
+            return result
+        return msgspec.structs.replace(result, **{name: items, "truncated": True})
 
     # --- operator tools -----------------------------------------------------------------
 

@@ -449,8 +449,9 @@ class LeaseReleaseResult(Struct):
     released: bool
 
 
-class LeaseListResult(Struct):
+class LeaseListResult(Struct, omit_defaults=True):
     leases: list[LeaseRecord]
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
 
 
 # --- the effects ledger -------------------------------------------------------------------
@@ -555,8 +556,9 @@ class EffectRecord(Struct):
     holder_pid: int | None
 
 
-class EffectListResult(Struct):
+class EffectListResult(Struct, omit_defaults=True):
     effects: list[EffectRecord]
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
 
 
 # --- workers -------------------------------------------------------------------------------
@@ -613,8 +615,9 @@ class WorkerListParams(Struct):
         _require_absolute("project_root", self.project_root)
 
 
-class WorkerListResult(Struct):
+class WorkerListResult(Struct, omit_defaults=True):
     workers: list[WorkerRecord]
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
 
 
 # --- the work-dispatch ledger --------------------------------------------------------------
@@ -720,8 +723,9 @@ class DispatchListParams(Struct):
     limit: RecentLimit = 50
 
 
-class DispatchListResult(Struct):
+class DispatchListResult(Struct, omit_defaults=True):
     dispatches: list[DispatchRecord]  # the most recent matches, oldest first
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
 
 
 class DispatchRecentParams(Struct):
@@ -899,8 +903,9 @@ class SessionActivity(Struct):
     attention: Attention
 
 
-class SessionActivityResult(Struct):
+class SessionActivityResult(Struct, omit_defaults=True):
     sessions: list[SessionActivity]
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
 
 
 MessageStatus = Literal["queued", "delivered", "read"]
@@ -936,8 +941,9 @@ class MessageListParams(Struct):
     limit: Annotated[int, Meta(ge=1, le=500)] = 100
 
 
-class MessageListResult(Struct):
+class MessageListResult(Struct, omit_defaults=True):
     messages: list[MessageRecord]  # oldest first
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
 
 
 class MessageAckParams(Struct):
@@ -975,8 +981,9 @@ class RestorePlanEntry(Struct):
     last_activity_at: Millis | None
 
 
-class RestorePlanResult(Struct):
+class RestorePlanResult(Struct, omit_defaults=True):
     sessions: list[RestorePlanEntry]  # newest activity first; a parent before its children
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
 
 
 # --- operator tools --------------------------------------------------------------

@@ -12,30 +12,34 @@ from __future__ import annotations
 from typing import Any
 
 from towerd.daemon.store import dispatches, effects, events, fleet, idempotency, leases, workers
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import Tx, fit
 
 MAX_ITEMS = 500
 
 
 def take(tx: Tx, topics: frozenset[str], byte_budget: int) -> dict[str, Any]:
-    return {topic: _BUILDERS[topic](tx, byte_budget) for topic in sorted(topics)}
+    """Each topic gets an equal share of the frame; a list cut to fit says ``truncated``."""
+    share = byte_budget // len(topics)
+    return {topic: _BUILDERS[topic](tx, share) for topic in sorted(topics)}
 
 
-def _fleet(tx: Tx, _budget: int) -> dict[str, Any]:
-    sessions = fleet.list_all(tx)
-    activity = events.activity(tx, None).sessions
-    return {
-        "sessions": sessions[:MAX_ITEMS],
-        "activity": activity[:MAX_ITEMS],
-        "truncated": len(sessions) > MAX_ITEMS,
-    }
+def _fit(items: list[Any], budget: int) -> tuple[list[Any], bool]:
+    kept, cut = fit(items[:MAX_ITEMS], budget)
+    return kept, cut or len(items) > MAX_ITEMS
+
+
+def _fleet(tx: Tx, budget: int) -> dict[str, Any]:
+    sessions, cut = _fit(fleet.list_all(tx), budget * 3 // 4)
+    shown = {row.session_id for row in sessions}
+    activity = [a for a in events.activity(tx, None).sessions if a.session_id in shown]
+    return {"sessions": sessions, "activity": activity, "truncated": cut}
 
 
 def _events(tx: Tx, budget: int) -> dict[str, Any]:
     return {"events": events.list_events(tx, None, None, None, None, 50, budget // 4).events}
 
 
-def _idem(tx: Tx, _budget: int) -> dict[str, Any]:
+def _idem(tx: Tx, budget: int) -> dict[str, Any]:
     rows = tx.conn.execute(
         "SELECT principal, operation, key, state, effect_ref, holder_pid, updated_at "
         "FROM idempotency WHERE state != 'completed' ORDER BY updated_at LIMIT ?",
@@ -50,17 +54,19 @@ def _idem(tx: Tx, _budget: int) -> dict[str, Any]:
     }
 
 
-def _leases(tx: Tx, _budget: int) -> dict[str, Any]:
-    return {"leases": leases.list_live(tx)[:MAX_ITEMS]}
+def _leases(tx: Tx, budget: int) -> dict[str, Any]:
+    live, cut = _fit(leases.list_live(tx), budget)
+    return {"leases": live, "truncated": cut}
 
 
-def _effects(tx: Tx, _budget: int) -> dict[str, Any]:
+def _effects(tx: Tx, budget: int) -> dict[str, Any]:
     keys = tx.conn.execute(
         "SELECT effect_key FROM effects WHERE status IN ('in_flight', 'uncertain') "
         "ORDER BY claimed_at LIMIT ?",
-        (MAX_ITEMS,),
+        (MAX_ITEMS + 1,),
     ).fetchall()
-    return {"effects": [effects.get(tx, key) for (key,) in keys]}
+    unsettled, cut = _fit([effects.get(tx, key) for (key,) in keys], budget)
+    return {"effects": unsettled, "truncated": cut}
 
 
 def _dispatch(tx: Tx, _budget: int) -> dict[str, Any]:

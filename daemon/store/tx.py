@@ -107,6 +107,22 @@ def take_page(
     return items, (last_rowid if len(rows) > limit else None)
 
 
+def fit(items: list[T], byte_budget: int, *, keep: str = "first") -> tuple[list[T], bool]:
+    """As many items as fit in ``byte_budget`` encoded bytes (at least one), keeping the
+    first ones or the last ones; and whether any were left out. For results with no
+    cursor, so an answer always fits in a frame."""
+    order = items if keep == "first" else list(reversed(items))
+    kept: list[T] = []
+    size = 0
+    for item in order:
+        size += len(_packer.encode(item))
+        if kept and size > byte_budget:
+            break
+        kept.append(item)
+    truncated = len(kept) < len(items)
+    return (kept if keep == "first" else list(reversed(kept))), truncated
+
+
 SQLITE_FULL = 13
 
 
