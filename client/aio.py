@@ -9,7 +9,6 @@ task routes each answer to its caller by id. Open it with
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -25,12 +24,15 @@ from towerd.client.idempotent import RunEffect, idempotent_steps, retry_delay
 from towerd.client.sync import DEFAULT_TIMEOUT, default_client_name, hello_params
 from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder, FrameTooLargeError
 from towerd.protocol.envelope import FRAME_ERROR_ID, decode_frame, encode_request
-from towerd.protocol.errors import TowerdError, Unavailable
+from towerd.protocol.errors import Conflict, TowerdError, Unavailable
 from towerd.protocol.lite import is_push, response_parts
 from towerd.protocol.paths import default_socket_path
 
 if TYPE_CHECKING:
     from towerd.client.effect import ClaimedEffect
+
+
+MAX_QUEUED_PUSHES = 256  # unread changes held here; beyond, the daemon's queue fills
 
 
 @dataclass(eq=False)
@@ -136,9 +138,8 @@ class AsyncClient(TowerdAPI):
                 for frame in self._decoder.feed(data):
                     value = decode_frame(frame)
                     if self._is_watch_frame(value):
-                        self._pushes.send_nowait(
-                            value if is_push(value) else response_parts(value)[2]
-                        )
+                        if not await self._queue_push(value):
+                            return  # the watch is over; so is this connection
                         continue
                     request_id, result, error = response_parts(value)
                     if request_id == FRAME_ERROR_ID and error is not None:
@@ -168,12 +169,35 @@ class AsyncClient(TowerdAPI):
             and self._watch_id not in self._pending
         )
 
+    async def _queue_push(self, value: Any) -> bool:
+        """Hand a watch frame to the watcher, waiting while ``MAX_QUEUED_PUSHES`` are
+        unread: this connection then stops reading, so a consumer that falls behind is
+        told ``too_slow`` by the daemon, as any watcher is. False once the consumer closed
+        its iterator."""
+        item = value if is_push(value) else response_parts(value)[2]
+        try:
+            await self._pushes.send(item)
+            return True
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._lose(Unavailable("the watch was closed", {"reason": "closed"}))
+            return False
+
     async def watch(self, topics: Sequence[str]) -> AsyncIterator[dict[str, Any]]:
         """The async twin of ``Client.watch``: the snapshot, then each pushed change.
-        The connection serves no other request afterwards."""
-        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=math.inf)
+        The connection serves no other request afterwards. A consumer that falls behind
+        is dropped by the daemon and gets ``TooSlow`` after the changes already sent."""
+        if self._pushes is not None:
+            raise Conflict("this connection is already a watch subscription")
+        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=MAX_QUEUED_PUSHES)
         self._pushes, self._watch_id = send, self._next_id + 1
-        yield await self.call("watch", {"topics": list(topics)})
+        try:
+            answer = await self.call("watch", {"topics": list(topics)})
+        except BaseException:
+            self._pushes = None
+            send.close()
+            receive.close()
+            raise
+        yield answer
         async with receive:
             while True:
                 try:

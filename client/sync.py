@@ -244,7 +244,14 @@ class Client(TowerdAPI):
         for a fresh snapshot); a lost daemon, or ``idle_timeout`` seconds without a
         change, ``Unavailable``. The connection serves no other request afterwards.
         """
-        yield self.call("watch", {"topics": list(topics)})
+        answer = self.call("watch", {"topics": list(topics)})
+        try:
+            yield answer
+            yield from self._pushes(idle_timeout)
+        finally:
+            self.close()  # a subscription serves nothing else: closing the iterator ends it
+
+    def _pushes(self, idle_timeout: float | None) -> Iterator[dict[str, Any]]:
         sock = self._require_socket()
         sock.settimeout(idle_timeout)
         while True:

@@ -364,17 +364,27 @@ class Connection(asyncio.Protocol):
             )
             self.answer_failure(request, error, started)
             return
+        hub = self.server.watch_hub
+        subscription = None
         try:
             params = decode_params("watch", request)
             subscription = Subscription(self, request.id, params.topics)
-            snapshot = self.server.watch_hub.subscribe(
+            snapshot = hub.subscribe(
                 subscription, lambda: self.handlers.watch_snapshot(subscription.topics)
             )
+            # Encoded in the same loop step: no change can be pushed before the answer.
+            frame = encode_result(request.id, WatchResult(snapshot=snapshot, seq=0))
+            if len(frame) > self.limits.max_frame + RESPONSE_SLACK:
+                raise Internal(f"the watch snapshot is {len(frame)} bytes, over the frame limit")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
+            if subscription is not None:
+                hub.unsubscribe(subscription)  # an answered error is no subscription
             self.answer_failure(request, exc, started)
             return
         self.subscription = subscription
-        self.answer(request, WatchResult(snapshot=snapshot, seq=0), started)
+        self.send(frame)
+        if self.server.trace_requests:
+            log.debug("request", **self.context(request, started), code=None)
 
     # --- the watch outlet (see daemon/watch.py) ------------------------------------------
 
@@ -437,6 +447,8 @@ class Connection(asyncio.Protocol):
         if transport.is_closing():
             return  # the peer left; it retries with its keys if it cares
         transport.write(frame)
+        if self.subscription is not None:
+            return  # a watcher's backlog is bounded by its queue (too_slow), not here
         if transport.get_write_buffer_size() > self.limits.max_outbound_bytes:
             log.warning(
                 "peer_not_reading",

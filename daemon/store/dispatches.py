@@ -391,9 +391,11 @@ def stuck_report(tx: Tx, project_root: str, window: int) -> DispatchStuckReportR
 
 
 def prune(tx: Tx, cutoff: int) -> int:
-    """Settled rows that ended before ``cutoff``; active rows are never touched."""
+    """Settled rows that ended before ``cutoff``; active rows, and failed rows whose
+    ``next_run_at`` is still ahead (they enforce ``not_before``), are never touched."""
     return tx.conn.execute(
         "DELETE FROM dispatches WHERE ended_at IS NOT NULL AND ended_at < ? "
-        "AND status NOT IN ('claimed', 'running')",
-        (cutoff,),
+        "AND status NOT IN ('claimed', 'running') "
+        "AND (next_run_at IS NULL OR next_run_at <= ?)",  # a pause still running stays
+        (cutoff, tx.now),
     ).rowcount

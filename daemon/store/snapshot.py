@@ -46,12 +46,8 @@ def _idem(tx: Tx, budget: int) -> dict[str, Any]:
         (MAX_ITEMS + 1,),
     ).fetchall()
     names = ("principal", "operation", "key", "state", "effect_ref", "holder_pid", "updated_at")
-    keys = [dict(zip(names, row, strict=True)) for row in rows[:MAX_ITEMS]]
-    return {
-        "keys": keys,
-        "counts": idempotency.count_by_state(tx),
-        "truncated": len(rows) > MAX_ITEMS,
-    }
+    keys, cut = _fit([dict(zip(names, row, strict=True)) for row in rows], budget)
+    return {"keys": keys, "counts": idempotency.count_by_state(tx), "truncated": cut}
 
 
 def _leases(tx: Tx, budget: int) -> dict[str, Any]:
@@ -69,14 +65,14 @@ def _effects(tx: Tx, budget: int) -> dict[str, Any]:
     return {"effects": unsettled, "truncated": cut}
 
 
-def _dispatch(tx: Tx, _budget: int) -> dict[str, Any]:
+def _dispatch(tx: Tx, budget: int) -> dict[str, Any]:
     active = dispatches.list_dispatches(tx, None, None, None, "claimed", None, MAX_ITEMS)
     running = dispatches.list_dispatches(tx, None, None, None, "running", None, MAX_ITEMS)
+    listed = sorted(active.dispatches + running.dispatches, key=lambda d: d.dispatch_id)
+    shown, cut = _fit(listed, budget // 2)
     open_workers = [w for w in workers.list_workers(tx, None, None).workers if w.ended_at is None]
-    return {
-        "dispatches": sorted(active.dispatches + running.dispatches, key=lambda d: d.dispatch_id),
-        "workers": open_workers[:MAX_ITEMS],
-    }
+    alive, cut_workers = _fit(open_workers, budget // 2)
+    return {"dispatches": shown, "workers": alive, "truncated": cut or cut_workers}
 
 
 _BUILDERS = {
