@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 
 from towerd.daemon.processes import holder_of
+from towerd.daemon.read_cache import ReadCache
 from towerd.daemon.store import (
     Store,
     audit,
@@ -91,6 +92,7 @@ class Handlers:
     ) -> None:
         self.store = store
         self.info = info
+        self.cache = ReadCache()  # fed by the store's change notes (see daemon/main.py)
         self._request_shutdown = request_shutdown
         self.table: dict[str, Handler] = {
             "hello": self.hello,
@@ -218,7 +220,11 @@ class Handlers:
         )
 
     def fleet_get(self, caller: Caller, params: m.SessionIdParams) -> m.SessionRow:
-        return self.store.read_now(fleet.get_session, params.session_id)
+        cached = self.cache.fleet.get(params.session_id)
+        if cached is not None:
+            return cached
+        row = self.store.read_now(fleet.get_session, params.session_id)
+        return self.cache.remember(self.cache.fleet, params.session_id, row)
 
     def fleet_write(self, caller: Caller, params: m.FleetWriteParams) -> Future[m.FleetWriteResult]:
         return self.store.write(fleet.write_fleet, params.sessions, params.removed)
@@ -258,7 +264,12 @@ class Handlers:
         )
 
     def idem_get(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemRecord:
-        return self.store.read_now(idempotency.get, caller.principal, params.operation, params.key)
+        key = (caller.principal, params.operation, params.key)
+        cached = self.cache.idem.get(key)
+        if cached is not None:
+            return cached
+        record = self.store.read_now(idempotency.get, *key)
+        return self.cache.remember(self.cache.idem, key, record)
 
     async def idem_list(self, caller: Caller, params: m.IdemListParams) -> m.IdemListResult:
         return await self.store.read(

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -167,7 +168,13 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         trace_requests=config.log_level == "debug",
         watch_hub=WatchHub(config.watch_max_queue),
     )
-    store.on_changes = server.watch_hub.publish
+    hub = server.watch_hub
+
+    def on_changes(changes: list[tuple[str, Any]]) -> None:
+        handlers.cache.apply(changes)  # before anyone hears of the commit
+        hub.publish(changes)
+
+    store.on_changes = on_changes
     async with anyio.create_task_group() as tasks:
         await tasks.start(server.serve, listening)
         tasks.start_soon(sweep.run)

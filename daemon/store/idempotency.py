@@ -421,7 +421,10 @@ def mark_holders_dead(tx: Tx, holders: Iterable[Holder]) -> list[tuple[int, str,
 
 def expire_completed(tx: Tx, ttl_ms: int) -> int:
     """Forget completed keys older than the TTL; unsettled keys never expire."""
-    return tx.conn.execute(
+    expired = tx.conn.execute(
         "DELETE FROM idempotency WHERE state = 'completed' AND updated_at < ?",
         (tx.now - ttl_ms,),
     ).rowcount
+    if expired:
+        note(tx, "idem", {"op": "expired", "count": expired})
+    return expired
