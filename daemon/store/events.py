@@ -132,16 +132,35 @@ def list_events(
     return EventListResult(events=page, next_before=next_before)
 
 
+def _newest(
+    tx: Tx, column: str, value: str, *, skip_heartbeats: bool
+) -> tuple[int, int, str] | None:
+    """(event_id, at, kind) of the newest event filed under one id: a backward walk of
+    that id's index, a few rows at most, however long the session's trail is."""
+    return tx.conn.execute(
+        f"SELECT event_id, at, kind FROM events WHERE {column} = ?"
+        + (" AND kind != ?" if skip_heartbeats else "")
+        + " ORDER BY event_id DESC LIMIT 1",
+        (value, HEARTBEAT) if skip_heartbeats else (value,),
+    ).fetchone()
+
+
 def _latest(tx: Tx, session_id: str, agent_session_id: str | None) -> tuple[Any, Any]:
     """(newest event time, newest non-heartbeat kind) filed under either id."""
-    scope = "session_id = ?" + (" OR agent_session_id = ?" if agent_session_id else "")
-    ids = (session_id, agent_session_id) if agent_session_id else (session_id,)
-    newest = tx.conn.execute(f"SELECT max(at) FROM events WHERE {scope}", ids).fetchone()[0]
-    kind = tx.conn.execute(
-        f"SELECT kind FROM events WHERE ({scope}) AND kind != ? ORDER BY event_id DESC LIMIT 1",
-        (*ids, HEARTBEAT),
-    ).fetchone()
-    return newest, kind[0] if kind else None
+    ids = [("session_id", session_id)]
+    if agent_session_id:
+        ids.append(("agent_session_id", agent_session_id))
+    newest = max(
+        (row for column, value in ids
+         if (row := _newest(tx, column, value, skip_heartbeats=False)) is not None),
+        default=None,
+    )  # fmt: skip
+    kind = max(
+        (row for column, value in ids
+         if (row := _newest(tx, column, value, skip_heartbeats=True)) is not None),
+        default=None,
+    )  # fmt: skip
+    return (newest[1] if newest else None), (kind[2] if kind else None)
 
 
 def activity(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:

@@ -30,8 +30,7 @@ def _fit(items: list[Any], budget: int) -> tuple[list[Any], bool]:
 
 def _fleet(tx: Tx, budget: int) -> dict[str, Any]:
     sessions, cut = _fit(fleet.list_all(tx), budget * 3 // 4)
-    shown = {row.session_id for row in sessions}
-    activity = [a for a in events.activity(tx, None).sessions if a.session_id in shown]
+    activity = events.activity(tx, [row.session_id for row in sessions]).sessions
     return {"sessions": sessions, "activity": activity, "truncated": cut}
 
 
