@@ -12,16 +12,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import msgspec
-
-from towerd.daemon.store.idempotency import (
-    COMPLETED,
-    Holder,
-    log_operator_action,
-    payload_hash,
-    replay_or_refuse,
-)
-from towerd.daemon.store.idempotency import insert as insert_key
+from towerd.daemon.store.idempotency import Holder, log_operator_action, once_under_key
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
 from towerd.daemon.store.tx import PAGE_BYTES, Tx, note, take_page
@@ -467,33 +458,10 @@ def register_session(
 ) -> SessionRegisterResult:
     """Insert one row; with an idempotency key, claim + insert + complete in this one
     transaction, so a retry answers the same session id and never inserts twice."""
-    key = params.idempotency_key
-    if key is None:
+    if params.idempotency_key is None:
         return SessionRegisterResult(session_id=insert_session(tx, params))
-    request = msgspec.structs.asdict(params)
-    del request["idempotency_key"]
-    digest = payload_hash(request)
-    stored = replay_or_refuse(tx, principal, REGISTER_OPERATION, key, digest, holder)
-    if stored is not None:
-        result = stored.result
-        if not isinstance(result, dict) or not isinstance(result.get("session_id"), str):
-            # Completed through idem.complete with something that is not a registration.
-            raise Conflict(
-                f"key {key!r} of {REGISTER_OPERATION} holds a result that is not a "
-                f"registration ({result!r:.100}); use another key",
-                {"operation": REGISTER_OPERATION, "key": key},
-            )
-        return SessionRegisterResult(session_id=result["session_id"])
-    session_id = insert_session(tx, params)
-    insert_key(
-        tx,
-        principal,
-        REGISTER_OPERATION,
-        key,
-        digest,
-        COMPLETED,
-        session_id,
-        {"session_id": session_id},
-        holder,
-    )
-    return SessionRegisterResult(session_id=session_id)
+    result = once_under_key(
+        tx, principal, REGISTER_OPERATION, params, holder,
+        lambda: {"session_id": insert_session(tx, params)}, "session_id", "a registration",
+    )  # fmt: skip
+    return SessionRegisterResult(session_id=result["session_id"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,6 +253,40 @@ def replay_or_refuse(
         return row.record
     _refuse_unsettled(row, holder)
     return None  # unreachable: _refuse_unsettled always raises
+
+
+def once_under_key(
+    tx: Tx,
+    principal: str,
+    operation: str,
+    params: Any,
+    holder: Holder | None,
+    create: Callable[[], dict[str, Any]],
+    id_field: str,
+    what: str,
+) -> dict[str, Any]:
+    """Claim, do and complete ``params.idempotency_key`` in this one transaction (for
+    ``session.register``, ``session.message``): a retry gets the stored result and
+    ``create`` never runs twice. ``create`` returns the result; its ``id_field`` (the id
+    of what it made) becomes the key's effect_ref, which evidence probes look for."""
+    key = params.idempotency_key
+    request = msgspec.structs.asdict(params)
+    del request["idempotency_key"]
+    digest = payload_hash(request)
+    stored = replay_or_refuse(tx, principal, operation, key, digest, holder)
+    if stored is not None:
+        result = stored.result
+        if not isinstance(result, dict) or not isinstance(result.get(id_field), str):
+            # Completed through idem.complete with something else.
+            raise Conflict(
+                f"key {key!r} of {operation} holds a result that is not {what} "
+                f"({result!r:.100}); use another key",
+                {"operation": operation, "key": key},
+            )
+        return result
+    result = create()
+    insert(tx, principal, operation, key, digest, COMPLETED, result[id_field], result, holder)
+    return result
 
 
 def complete(tx: Tx, principal: str, operation: str, key: str, result: Any) -> IdemRecord:

@@ -15,8 +15,7 @@ import uuid
 
 import msgspec
 
-from towerd.daemon.store.idempotency import COMPLETED, Holder, payload_hash, replay_or_refuse
-from towerd.daemon.store.idempotency import insert as insert_key
+from towerd.daemon.store.idempotency import Holder, once_under_key
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import Conflict, NotFound
 from towerd.protocol.methods import (
@@ -34,30 +33,15 @@ _COLUMNS = "message_id, session_id, agent_session_id, text, status, created_at, 
 def send(
     tx: Tx, principal: str, params: SessionMessageParams, holder: Holder | None
 ) -> SessionMessageResult:
-    key = params.idempotency_key
-    if key is None:
+    if params.idempotency_key is None:
         return SessionMessageResult(_insert(tx, params.session_id, params.text), "queued")
-    request = msgspec.structs.asdict(params)
-    del request["idempotency_key"]
-    digest = payload_hash(request)
-    stored = replay_or_refuse(tx, principal, MESSAGE_OPERATION, key, digest, holder)
-    if stored is not None:
-        result = stored.result
-        if not isinstance(result, dict) or not isinstance(result.get("message_id"), str):
-            raise Conflict(
-                f"key {key!r} of {MESSAGE_OPERATION} holds a result that is not a message "
-                f"({result!r:.100}); use another key",
-                {"operation": MESSAGE_OPERATION, "key": key},
-            )
-        current = _load(tx, result["message_id"])
-        status = current.status if current else result.get("status", "queued")
-        return SessionMessageResult(result["message_id"], status)
-    message_id = _insert(tx, params.session_id, params.text)
-    insert_key(
-        tx, principal, MESSAGE_OPERATION, key, digest, COMPLETED, message_id,
-        {"message_id": message_id, "status": "queued"}, holder,
+    result = once_under_key(
+        tx, principal, MESSAGE_OPERATION, params, holder,
+        lambda: {"message_id": _insert(tx, params.session_id, params.text), "status": "queued"},
+        "message_id", "a message",
     )  # fmt: skip
-    return SessionMessageResult(message_id, "queued")
+    current = _load(tx, result["message_id"])  # a retry reports where it stands now
+    return SessionMessageResult(result["message_id"], current.status if current else "queued")
 
 
 def _insert(tx: Tx, session_id: str, text: str) -> str:
