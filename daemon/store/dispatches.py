@@ -19,6 +19,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from msgspec.structs import asdict
+
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import audit, leases, stuck, workers
 from towerd.daemon.store.tx import Refused, Tx
@@ -57,10 +59,6 @@ def _record(row: tuple[Any, ...]) -> DispatchRecord:
     return DispatchRecord(
         dispatch_id, stuck.unit_key(unit_type, unit_id), unit_type, unit_id, *rest
     )
-
-
-def _as_dict(record: DispatchRecord) -> dict[str, Any]:
-    return {name: getattr(record, name) for name in record.__struct_fields__}
 
 
 def load(tx: Tx, dispatch_id: int) -> DispatchRecord | None:
@@ -123,7 +121,7 @@ def _require_fence(tx: Tx, worker_id: str, resource: str, token: int) -> WorkerR
             "worker_id": worker_id,
             "lease_resource": resource,
             "fencing_token": token,
-            "lease": None if lease is None else leases._as_dict(lease.record(tx.now)),
+            "lease": None if lease is None else asdict(lease.record(tx.now)),
         },
     )
 
@@ -136,7 +134,7 @@ def claim(tx: Tx, actor: str, params: DispatchClaimParams) -> DispatchClaimResul
     if worker.status != "active":
         raise Conflict(
             f"worker {worker.worker_id} is {worker.status}: it claims nothing new",
-            {"worker": workers._as_dict(worker)},
+            {"worker": asdict(worker)},
         )
     unit_key = stuck.unit_key(params.unit_type, params.unit_id)
     existing = _active_of_unit(tx, params.unit_type, params.unit_id)
@@ -148,7 +146,7 @@ def claim(tx: Tx, actor: str, params: DispatchClaimParams) -> DispatchClaimResul
             raise AlreadyActive(
                 f"{unit_key} is already {existing.status} as dispatch {existing.dispatch_id} "
                 f"of worker {existing.worker_id}",
-                {"dispatch": _as_dict(existing)},
+                {"dispatch": asdict(existing)},
             )
         _settle(tx, existing, "canceled", actor, caused_by=None, exit_reason=TAKEOVER_REASON,
                 taken_over_by=params.worker_id)  # fmt: skip
@@ -193,7 +191,7 @@ def _claim_unit(
         active = _active_of_unit(tx, params.unit_type, params.unit_id)
         raise AlreadyActive(
             f"{unit_key} is already active",
-            {"dispatch": None if active is None else _as_dict(active)},
+            {"dispatch": None if active is None else asdict(active)},
         ) from None
     dispatch_id = cursor.lastrowid
     assert dispatch_id is not None
@@ -277,7 +275,7 @@ def transition(
         raise StaleLease(
             f"dispatch {dispatch_id} belongs to worker {record.worker_id} under token "
             f"{record.fencing_token}, not worker {worker_id} under token {token}",
-            {"dispatch": _as_dict(record), "worker_id": worker_id, "fencing_token": token},
+            {"dispatch": asdict(record), "worker_id": worker_id, "fencing_token": token},
         )
     if record.status == status:
         return record
@@ -286,7 +284,7 @@ def transition(
         raise Conflict(
             f"dispatch {dispatch_id} is {record.status}; it cannot become {status} "
             f"(only from {' or '.join(allowed)}; a retry is a new claim)",
-            {"dispatch": _as_dict(record)},
+            {"dispatch": asdict(record)},
         )
     _require_fence(tx, worker_id, record.lease_resource, token)
     if status == "failed" and columns.get("retry_after_ms") is not None:

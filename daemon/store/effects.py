@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+from msgspec.structs import asdict
 
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import leases
@@ -95,7 +96,7 @@ def _require(tx: Tx, key: str) -> _Effect:
 
 
 def _data(record: EffectRecord) -> dict[str, Any]:
-    return {"effect": {name: getattr(record, name) for name in record.__struct_fields__}}
+    return {"effect": asdict(record)}
 
 
 def _set(tx: Tx, key: str, **columns: Any) -> None:

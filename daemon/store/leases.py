@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from msgspec.structs import asdict
+
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import audit
 from towerd.daemon.store.idempotency import Holder
@@ -92,12 +94,8 @@ def _held_error(lease: Lease, now: int) -> LeaseHeld:
     return LeaseHeld(
         f"{lease.resource} is leased to {describe_holder(lease.principal, lease.holder)} "
         f"(token {lease.token}) until {lease.expires_at}",
-        {"lease": _as_dict(lease.record(now))},
+        {"lease": asdict(lease.record(now))},
     )
-
-
-def _as_dict(record: LeaseRecord) -> dict[str, object]:
-    return {name: getattr(record, name) for name in record.__struct_fields__}
 
 
 def acquire(
@@ -181,7 +179,7 @@ def _require_current(
         raise LeaseSuperseded(
             f"token {token} on {resource} is superseded: the lease is now token "
             f"{current.token} held by {describe_holder(current.principal, current.holder)}",
-            {"lease": _as_dict(current.record(tx.now)), "fencing_token": token},
+            {"lease": asdict(current.record(tx.now)), "fencing_token": token},
         )
     if current.expires_at <= tx.now:
         raise LeaseExpired(

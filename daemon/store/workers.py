@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from msgspec.structs import asdict
+
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import audit
 from towerd.daemon.store.leases import describe_holder
@@ -50,10 +52,6 @@ def holder(worker: WorkerRecord) -> Holder:
     return Holder(worker.pid, worker.process_start)
 
 
-def _as_dict(worker: WorkerRecord) -> dict[str, object]:
-    return {name: getattr(worker, name) for name in worker.__struct_fields__}
-
-
 def register(
     tx: Tx,
     principal: str,
@@ -77,7 +75,7 @@ def register(
             raise Conflict(
                 f"this process is already worker {existing.worker_id} ({existing.status}, "
                 f"project {existing.project_root}); one worker per process",
-                {"worker": _as_dict(existing)},
+                {"worker": asdict(existing)},
             )
         tx.conn.execute(
             "UPDATE workers SET heartbeat_at = ? WHERE worker_id = ?", (tx.now, existing.worker_id)
@@ -105,7 +103,7 @@ def _require_open(worker: WorkerRecord, *allowed: str) -> None:
             f"worker {worker.worker_id} is {worker.status}"
             + (f" ({worker.end_reason})" if worker.end_reason else "")
             + "; register again for a new worker",
-            {"worker": _as_dict(worker)},
+            {"worker": asdict(worker)},
         )
 
 
