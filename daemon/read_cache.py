@@ -4,10 +4,11 @@ A point read on SQLite costs ~20 us of the loop's time (lookup and row building)
 five times an echo. Rows read once are kept here and dropped, never rewritten,
 when a committed write's change notes (the ones ``watch`` pushes) name them: the
 store hands each committed batch's notes to :meth:`ReadCache.apply` on the loop
-before any writer is answered, and a read that missed while that batch was in
-flight read the state before it (``Store._pin_read_snapshot``), so whatever it
-cached is dropped by that same ``apply``. A note that names no single row (an
-adoption, an expiry sweep) clears the topic. Nothing is ever installed from a
+before any writer is answered. A read that missed while that batch was in
+flight read the state before it or after it (each read is its own short
+transaction), so whatever it cached is dropped by that same ``apply``. A note
+that names no single row (an adoption, an expiry sweep) clears the topic.
+Nothing is ever installed from a
 note: what is cached was read from a committed snapshot.
 """
 

@@ -364,11 +364,24 @@ class Connection(asyncio.Protocol):
             )
             self.answer_failure(request, error, started)
             return
-        hub = self.server.watch_hub
-        subscription = None
         try:
             params = decode_params("watch", request)
-            subscription = Subscription(self, request.id, params.topics)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
+            self.answer_failure(request, exc, started)
+            return
+        # From here on this connection takes no other request. The snapshot is taken
+        # where no write batch is in flight, so it holds exactly the changes published
+        # before the subscription starts (a batch in flight delays it by that batch).
+        subscription = Subscription(self, request.id, params.topics)
+        self.subscription = subscription
+        self.handlers.store.at_rest(lambda: self.answer_watch(request, subscription, started))
+
+    def answer_watch(self, request: Request, subscription: Subscription, started: float) -> None:
+        """Register ``subscription`` and answer with its snapshot, in one loop step."""
+        if self.transport.is_closing() or self.subscription is not subscription:
+            return  # the watcher left before its turn
+        hub = self.server.watch_hub
+        try:
             snapshot = hub.subscribe(
                 subscription, lambda: self.handlers.watch_snapshot(subscription.topics)
             )
@@ -377,11 +390,10 @@ class Connection(asyncio.Protocol):
             if len(frame) > self.limits.max_frame + RESPONSE_SLACK:
                 raise Internal(f"the watch snapshot is {len(frame)} bytes, over the frame limit")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
-            if subscription is not None:
-                hub.unsubscribe(subscription)  # an answered error is no subscription
+            hub.unsubscribe(subscription)  # an answered error is no subscription
+            self.subscription = None
             self.answer_failure(request, exc, started)
             return
-        self.subscription = subscription
         self.send(frame)
         if self.server.trace_requests:
             log.debug("request", **self.context(request, started), code=None)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 import anyio
+import structlog
 
 from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import check_private, ensure_private_dir
@@ -34,6 +35,8 @@ from towerd.protocol.errors import StaleEpoch, Unavailable
 from towerd.protocol.methods import DEFAULT_WORKER_TTL_MS, ReconcileReport
 
 T = TypeVar("T")
+
+log = structlog.get_logger("towerd.store")
 
 DB_FILE = "towerd.db"
 BACKUP_DIR = "backups"
@@ -116,11 +119,11 @@ class Store:
         self._superseded = False  # set on the database thread, published after the hop
         self._upkeep_limiter = anyio.CapacityLimiter(1)
         self._inline = _open_inline_reader(db_path)
-        self._inline_current = False  # does the loop's read transaction see the last commit?
         # Called on the loop with each committed batch's change notes (the watch hub).
         self.on_changes: Callable[[list[tuple[str, Any]]], None] | None = None
         self._changes: list[tuple[str, Any]] = []
         self._batch_in_flight = False
+        self._at_rest: list[Callable[[], None]] = []
 
     # --- the API handlers use ------------------------------------------------------
 
@@ -144,30 +147,33 @@ class Store:
         """Run ``fn(tx, *args)`` right here on the event loop's own read connection.
 
         For point lookups only (a primary-key read takes microseconds): a hop to
-        the reader thread costs more than the read itself. Reads share one read
-        transaction until the writer next commits (starting one costs more than
-        the lookup); the writer marks it stale before it answers anyone, so a
-        client that was told its write is done always reads it back.
+        the reader thread costs more than the read itself. Each call is one short
+        read transaction: it sees every commit whose writers were answered (and
+        maybe a batch in flight), and it never outlives the call, because a read
+        transaction left open keeps a mark in the WAL, and while one is there
+        SQLite can neither finish a checkpoint nor start the WAL over: kept open
+        between reads (to save the ~3 us of starting one), it let the WAL grow by
+        ~4 KiB per write under steady writes (tests/integration/test_wal_bounded.py).
         """
         conn = self._inline
         try:
-            if not self._inline_current:
-                if conn.in_transaction:
-                    conn.execute("COMMIT")
-                conn.execute("BEGIN")
-                self._inline_current = True
-            return fn(Tx(conn, self.daemon_id, self.owner_epoch, now_ms()), *args)
+            conn.execute("BEGIN")
+            try:
+                return fn(Tx(conn, self.daemon_id, self.owner_epoch, now_ms()), *args)
+            finally:
+                conn.execute("COMMIT")
         except sqlite3.Error as exc:
             raise _as_wire_error(exc) from exc
 
-    def release_read_snapshot(self) -> None:
-        """End the loop's read transaction (it would hold back a truncating checkpoint);
-        not while a batch may be committing (see :meth:`_pin_read_snapshot`)."""
+    def at_rest(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop at a point where no batch is in flight: now if
+        none is, else right after the in-flight batch is published and answered, before
+        the next one starts. A ``watch`` snapshot taken there holds every change
+        published before it and none published after it."""
         if self._batch_in_flight:
-            return
-        if self._inline.in_transaction:
-            self._inline.execute("COMMIT")
-        self._inline_current = False
+            self._at_rest.append(callback)
+        else:
+            callback()
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(tx, *args)`` on the read connection (sees committed data only)."""
@@ -182,7 +188,6 @@ class Store:
 
     async def on_own_connection(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(db_path, *args)`` (see ``upkeep``) in a worker thread, one at a time."""
-        self.release_read_snapshot()  # let a checkpoint or backup see past it
         try:
             return await anyio.to_thread.run_sync(
                 fn, self.db_path, *args, limiter=self._upkeep_limiter
@@ -202,14 +207,12 @@ class Store:
                 continue
             batch = self._queue[: self.config.max_batch]
             del self._queue[: self.config.max_batch]
-            self._pin_read_snapshot()
             self._batch_in_flight = True
             try:
                 with anyio.CancelScope(shield=True):
                     await self._writer.run(self._run_batch, batch)
             finally:
                 self._batch_in_flight = False
-            self._inline_current = False  # before any caller hears of this commit
             changes, self._changes = self._changes, []
             if changes and self.on_changes is not None:
                 self.on_changes(changes)  # watchers hear no later than the writers
@@ -222,21 +225,17 @@ class Store:
                     job.future.set_exception(job.result.error)  # its writes committed
                 else:
                     job.future.set_result(job.result)
+            self._run_at_rest()
             if self._superseded:
                 self.superseded.set()
 
-    def _pin_read_snapshot(self) -> None:
-        """Fix the loop's read snapshot before a batch may commit. A read on the loop while
-        the batch is in flight (a watch snapshot) then sees the state before it, and the
-        batch's changes reach that watcher as pushes after it, never in both."""
-        if self._inline_current:
-            return
-        conn = self._inline
-        if conn.in_transaction:
-            conn.execute("COMMIT")
-        conn.execute("BEGIN")
-        conn.execute("SELECT 1 FROM meta LIMIT 1").fetchone()  # a read starts the snapshot
-        self._inline_current = True
+    def _run_at_rest(self) -> None:
+        callbacks, self._at_rest = self._at_rest, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one caller's bug must not stop the writer
+                log.exception("at_rest_callback_failed", code="internal")
 
     def _run_batch(self, conn: sqlite3.Connection, jobs: list[_Job]) -> None:
         """On the database thread: one transaction, one savepoint per job, one commit."""
