@@ -90,7 +90,6 @@ class DirectKeys:
     def __init__(self, path: Path, operation: str) -> None:
         self.conn = connect(path)
         self.operation = operation
-        self.pid = os.getpid()
         self.retries = 0  # transactions retried after SQLITE_BUSY (busy_timeout ran out)
 
     def _transaction(self, body: Callable[[sqlite3.Connection], T]) -> T:
@@ -113,50 +112,39 @@ class DirectKeys:
 
     def claim(self, key: str) -> str:
         """towerd's claim: look the key up, insert it ``in_progress`` if new."""
-
-        def body(conn: sqlite3.Connection) -> str:
-            row = conn.execute(_SELECT, (PRINCIPAL, self.operation, key)).fetchone()
-            if row is not None:
-                raise RuntimeError(f"key {key!r} exists already (keys must be distinct)")
-            now = now_ms()
-            effect_ref = str(uuid.uuid4())
-            conn.execute(
-                _INSERT,
-                (
-                    PRINCIPAL,
-                    self.operation,
-                    key,
-                    NULL_PAYLOAD_HASH,
-                    "in_progress",
-                    effect_ref,
-                    None,
-                    self.pid,
-                    0,
-                    None,
-                    DAEMON_ID,
-                    now,
-                    now,
-                ),
-            )
-            return effect_ref
-
-        return self._transaction(body)
+        return self._transaction(lambda conn: claim_statements(conn, self.operation, key))
 
     def complete(self, key: str, result: object) -> None:
         """towerd's complete: read the key, set it ``completed``, read it back."""
-
-        def body(conn: sqlite3.Connection) -> None:
-            args = (PRINCIPAL, self.operation, key)
-            row = conn.execute(_SELECT, args).fetchone()
-            if row is None or row[2] != "in_progress":
-                raise RuntimeError(f"key {key!r} is not in progress: {row!r}")
-            conn.execute(_COMPLETE, (msgspec.msgpack.encode(result), now_ms(), *args))
-            conn.execute(_SELECT, args).fetchone()
-
-        self._transaction(body)
+        self._transaction(lambda conn: complete_statements(conn, self.operation, key, result))
 
     def close(self) -> None:
         self.conn.close()
+
+
+def claim_statements(conn: sqlite3.Connection, operation: str, key: str) -> str:
+    """The statements of a claim (inside the caller's transaction)."""
+    row = conn.execute(_SELECT, (PRINCIPAL, operation, key)).fetchone()
+    if row is not None:
+        raise RuntimeError(f"key {key!r} exists already (keys must be distinct)")
+    now = now_ms()
+    effect_ref = str(uuid.uuid4())
+    conn.execute(
+        _INSERT,
+        (PRINCIPAL, operation, key, NULL_PAYLOAD_HASH, "in_progress", effect_ref, None,
+         os.getpid(), 0, None, DAEMON_ID, now, now),
+    )  # fmt: skip
+    return effect_ref
+
+
+def complete_statements(conn: sqlite3.Connection, operation: str, key: str, result: object) -> None:
+    """The statements of a complete (inside the caller's transaction)."""
+    args = (PRINCIPAL, operation, key)
+    row = conn.execute(_SELECT, args).fetchone()
+    if row is None or row[2] != "in_progress":
+        raise RuntimeError(f"key {key!r} is not in progress: {row!r}")
+    conn.execute(_COMPLETE, (msgspec.msgpack.encode(result), now_ms(), *args))
+    conn.execute(_SELECT, args).fetchone()
 
 
 def completed_row(operation: str, key: str, result: object, pid: int) -> tuple[object, ...]:

@@ -13,6 +13,15 @@ For each N, every measurement on a fresh state dir or database file:
   one ``BEGIN IMMEDIATE`` transaction each, with towerd's own statements and
   table, retrying on ``SQLITE_BUSY`` (``bench/_direct_sqlite.py``);
 
+* two single-writer floors, one thread and nothing else (no socket, no event
+  loop, no client): the writes N clients with one request outstanding each
+  would hand a perfect group-commit writer, N per transaction (the N claims,
+  then the N completes): once as the direct baseline's bare statements
+  (``floor: SQL``), once through towerd's own store functions as its writer
+  runs them (``floor: store functions``). No design with one SQLite writer
+  running these statements can beat the first, so it bounds what any daemon
+  can reach at that N on this machine;
+
 and once, the ceiling: one process inserting the same completed rows with
 plain sqlite3 at ``synchronous=FULL``, 100 and 1000 rows per transaction (the
 better of the two is the ceiling).
@@ -174,6 +183,71 @@ def store_engine(index: int, n: int, state_dir: Path, sync: Sync) -> Outcome:
 
     anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
     return len(latencies), latencies, 0
+
+
+def single_writer_floor(index: int, n: int, arg: tuple[Path, str], sync: Sync) -> Outcome:
+    """N virtual clients in lockstep: one transaction holds the N claims, the next the
+    N completes (keys spread as N clients spread them). ``mode`` "sql" runs the direct
+    baseline's statements alone, "store" towerd's store functions (as its writer runs them:
+    no savepoint unless a write fails after changing rows)."""
+    db_path, mode = arg
+    latencies = array("d")
+    if mode == "store":
+        claim, complete = _store_function_writes(db_path)
+    else:
+        claim = lambda conn, key: direct.claim_statements(conn, OPERATION, key)  # noqa: E731
+        complete = lambda conn, key, result: direct.complete_statements(  # noqa: E731
+            conn, OPERATION, key, result
+        )
+    conn = direct.connect(db_path)
+    try:
+        deadline = sync.start()
+        i = 0
+        while True:
+            batch = [f"f{client}-{i}" for client in range(n)]
+            started = time.monotonic()
+            for write in (claim, complete):
+                conn.execute("BEGIN IMMEDIATE")
+                for key in batch:
+                    if write is claim:
+                        claim(conn, key)
+                    else:
+                        complete(conn, key, {"i": i})
+                conn.execute("COMMIT")
+            finished = time.monotonic()
+            if finished > deadline:
+                break
+            latencies.extend([(finished - started) * 1000] * n)
+            i += 1
+    finally:
+        conn.close()
+    return len(latencies), latencies, 0
+
+
+def _store_function_writes(db_path: Path) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """towerd's idempotency.claim / complete on a plain connection, as its writer calls
+    them (a Tx collecting change notes); the database was created by towerd."""
+    from towerd.daemon.store import idempotency
+    from towerd.daemon.store.idempotency import Holder
+    from towerd.daemon.store.tx import Tx, now_ms
+    from towerd.protocol.methods import IdemClaimParams
+
+    conn = direct.connect(db_path)
+    daemon_id, epoch = conn.execute("SELECT daemon_id, owner_epoch FROM daemons").fetchone()
+    conn.close()
+    holder = Holder(os.getpid(), 0)
+
+    def tx(conn: Any) -> Tx:
+        return Tx(conn, daemon_id, epoch, now_ms(), changes=[])
+
+    def claim(conn: Any, key: str) -> None:
+        params = IdemClaimParams(operation=OPERATION, key=key)
+        idempotency.claim(tx(conn), "p", params, holder)
+
+    def complete(conn: Any, key: str, result: Any) -> None:
+        idempotency.complete(tx(conn), "p", OPERATION, key, result)
+
+    return claim, complete
 
 
 def direct_process(index: int, n: int, db_path: Path, sync: Sync) -> Outcome:
@@ -371,6 +445,21 @@ def measure_engine(root: Path, n: int, seconds: float) -> Sample:
     return measure("towerd store engine, no socket", store_engine, 1, n, state_dir, seconds)
 
 
+def measure_floor(root: Path, n: int, seconds: float, mode: str) -> Sample:
+    workdir = fresh_dir(root, f"floor-{mode}-{n}")
+    if mode == "store":  # towerd's own database, created (and its daemon row) by towerd
+        daemon = Daemon(workdir)
+        if not daemon.start():
+            raise RuntimeError(f"towerd did not start; see {workdir / 'daemon.log'}")
+        daemon.stop()
+        db_path = daemon.state_dir / "towerd.db"
+    else:
+        db_path = workdir / "floor.db"
+        direct.create_db(db_path)
+    label = "floor: store functions, 1 thread" if mode == "store" else "floor: SQL, 1 thread"
+    return measure(label, single_writer_floor, 1, n, (db_path, mode), seconds)
+
+
 def measure_ceiling(root: Path, batch: int, seconds: float) -> Sample:
     db_path = fresh_dir(root, f"ceiling-{batch}") / "ceiling.db"
     direct.create_db(db_path)
@@ -400,7 +489,7 @@ def report(samples: list[Sample], seconds: float) -> None:
     print(header)
     print("-" * len(header))
     for sample in samples:
-        towerd = sample.label.startswith("towerd")
+        towerd = sample.label.startswith(("towerd", "floor"))
         baseline = baselines.get(sample.n)
         median, p99 = percentile(sample.latencies, 0.5), percentile(sample.latencies, 0.99)
         print(
@@ -444,6 +533,16 @@ def report(samples: list[Sample], seconds: float) -> None:
             f"({sample.rate:.0f} vs {ceiling.rate:.0f} rows/s) -> "
             f"{'met' if vs_ceiling >= TARGET_VS_CEILING else 'NOT met'}"
         )
+    floor = next((s for s in samples if s.label.startswith("floor: SQL") and s.n == TARGET_N), None)
+    baseline = baselines.get(TARGET_N)
+    if floor is not None and baseline is not None and ceiling is not None:
+        print(
+            f"bound: the bare statements of {TARGET_N} clients' claims and completes, "
+            f"{TARGET_N} per transaction in one thread with nothing else running, reach "
+            f"{floor.rate:.0f} ops/s = {_ratio(floor.rate, baseline.rate)} direct and "
+            f"{_ratio(floor.rate, ceiling.rate)} the ceiling: no single-writer daemon running "
+            "these statements can pass that on this machine"
+        )
 
 
 def main() -> None:
@@ -473,6 +572,8 @@ def main() -> None:
             samples.append(measure_towerd(root, n, seconds, tasks=False))
             samples.append(measure_towerd(root, n, seconds, tasks=True))
             samples.append(measure_engine(root, n, seconds))
+            samples.append(measure_floor(root, n, seconds, "store"))
+            samples.append(measure_floor(root, n, seconds, "sql"))
     finally:
         if args.keep:
             print(f"kept {root}")

@@ -1,8 +1,10 @@
-"""Every RPC through the anyio ``AsyncClient`` against a real daemon; pipelining."""
+"""Every RPC through the ``AsyncClient`` against a real daemon; pipelining; the
+connection under a stopped, killed or slow daemon and cancelled callers."""
 
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 
 import anyio
@@ -354,3 +356,83 @@ async def test_oversized_request_is_frame_too_large(daemon):
         assert (await c.status())["sessions"] == 0
     wrong = [exc for exc in outcomes if type(exc) is not FrameTooLarge]
     assert not wrong, f"{len(wrong)} of 20 raised {wrong[0]!r}"
+
+
+# --- the connection itself: timeouts, a lost daemon, cancelled callers, a full socket ---------
+
+
+async def test_a_call_with_no_answer_times_out_and_the_connection_goes_on(daemon):
+    """The daemon stopped (SIGSTOP): the call fails with Unavailable(reason=timeout)
+    after the client's timeout; once the daemon runs again the same connection answers
+    the next call (the late answer to the first is dropped, not given to anyone)."""
+    async with AsyncClient.open(daemon.socket_path, timeout=0.3) as c:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(Unavailable) as info:
+                await c.idem_claim("timeout", "k1")
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert info.value.data["reason"] == "timeout"
+        assert (await c.idem_claim("timeout", "k2"))["state"] == "claimed"
+        assert (await c.idem_get("timeout", "k1"))["state"] == "in_progress"  # it was applied
+
+
+async def test_a_daemon_killed_mid_call_fails_every_pending_call_and_later_ones(daemon):
+    async with AsyncClient.open(daemon.socket_path, timeout=30) as c:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        outcomes: list[BaseException] = []
+
+        async def call(i: int) -> None:
+            try:
+                await c.idem_claim("killed", f"k{i}")
+            except Unavailable as exc:
+                outcomes.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(call, i)
+            await anyio.wait_all_tasks_blocked()
+            daemon.kill9()
+        assert [exc.data["reason"] for exc in outcomes] == ["closed"] * 5
+        with pytest.raises(Unavailable):
+            await c.ping()
+
+
+async def test_a_cancelled_caller_leaves_the_connection_working(daemon):
+    """A caller that gives up (cancel scope) while its request is in flight: its answer
+    arrives later and goes nowhere; callers after it get their own answers."""
+    async with AsyncClient.open(daemon.socket_path) as c:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with anyio.move_on_after(0.2) as scope:
+                await c.idem_claim("cancelled", "k1")
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert scope.cancelled_caught
+        answers = [await c.idem_claim("cancelled", f"k{i}") for i in range(2, 6)]
+        assert [a["state"] for a in answers] == ["claimed"] * 4
+        assert (await c.ping())["pong"] is True
+
+
+async def test_callers_wait_while_the_daemon_does_not_read_then_all_are_answered(daemon):
+    """The daemon stopped: 64 concurrent ~200 KiB requests fill the socket and the
+    transport's buffer, so callers wait for it to drain; once the daemon runs, every
+    one is answered, each with its own result."""
+    blob = "x" * 200_000
+    async with AsyncClient.open(daemon.socket_path, timeout=60) as c:
+        results: dict[int, dict] = {}
+
+        async def claim(i: int) -> None:
+            results[i] = await c.idem_claim("big", f"k{i}", payload=blob, effect_ref=f"r{i}")
+
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(64):
+                    tg.start_soon(claim, i)
+                await anyio.wait_all_tasks_blocked()
+                assert c._link.drained is not None, "the transport never paused writing"
+                os.kill(daemon.pid, signal.SIGCONT)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert results == {i: {"state": "claimed", "effect_ref": f"r{i}"} for i in range(64)}

@@ -13,9 +13,10 @@ import pytest
 from anyio import wait_all_tasks_blocked
 
 from store_helpers import new_id, opened, query, register, register_params, rows
-from towerd.daemon.store import Store, fleet
+from towerd.daemon.store import Store, fleet, idempotency
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import Conflict, Unavailable
+from towerd.protocol.methods import IdemClaimParams
 
 pytestmark = pytest.mark.anyio
 
@@ -271,3 +272,87 @@ async def test_writes_after_close_are_unavailable(short_tmp: Path) -> None:
         await register(store)
     with pytest.raises(Unavailable):
         await register(store)
+
+
+# --- savepoints only when needed ----------------------------------------------------------
+
+
+async def gated_batch(store: Store, calls: list[tuple[str, Callable[..., Any], tuple]]) -> dict:
+    """Run ``calls`` (label, fn, args) as one batch; each label's result or exception."""
+    outcomes: dict[str, Any] = {}
+
+    async def attempt(label: str, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            outcomes[label] = await store.write(fn, *args)
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            outcomes[label] = exc
+
+    gate = WriterGate()
+    async with anyio.create_task_group() as tasks:
+        await gate.close_on(store, tasks)
+        for label, fn, args in calls:
+            tasks.start_soon(attempt, label, fn, args)
+        await wait_all_tasks_blocked()
+        gate.open()
+    return outcomes
+
+
+async def test_a_write_refused_before_it_changed_anything_costs_its_mates_no_rerun(
+    short_tmp: Path,
+) -> None:
+    """Refusals read, then raise: nothing to undo, so the batch runs once (no savepoints)
+    and the mates' rows commit."""
+    runs: dict[int, int] = {}
+    ids = [new_id() for _ in range(4)]
+
+    def mate(tx: Tx, n: int) -> int:
+        runs[n] = runs.get(n, 0) + 1
+        fleet.insert_session(tx, register_params(session_id=ids[n]))
+        return n
+
+    def refuse(tx: Tx) -> None:
+        tx.conn.execute("SELECT count(*) FROM sessions").fetchone()
+        raise Conflict("refused after a read")
+
+    async with opened(short_tmp) as store:
+        calls = [("m0", mate, (0,)), ("m1", mate, (1,)), ("no", refuse, ()),
+                 ("m2", mate, (2,)), ("m3", mate, (3,))]  # fmt: skip
+        outcomes = await gated_batch(store, calls)
+        assert isinstance(outcomes.pop("no"), Conflict)
+        assert outcomes == {"m0": 0, "m1": 1, "m2": 2, "m3": 3}
+        assert runs == {0: 1, 1: 1, 2: 1, 3: 1}
+        assert sorted(r.session_id for r in await rows(store)) == sorted(ids)
+
+
+async def test_a_write_failing_after_changing_rows_reruns_the_batch_answered_from_the_commit(
+    short_tmp: Path,
+) -> None:
+    """A job that changed rows and then raised needs a savepoint: the batch is rolled
+    back and run again with one per job. Every answer comes from the run that committed
+    (a claim's fresh effect_ref is the stored one), watchers hear each change once, and
+    the failing job leaves nothing."""
+    half_done = new_id()
+
+    def insert_then_fail(tx: Tx) -> None:
+        fleet.insert_session(tx, register_params(session_id=half_done))
+        raise ValueError("bug after a write")
+
+    def claim(key: str) -> tuple[str, Callable[..., Any], tuple]:
+        params = IdemClaimParams(operation="op", key=key)
+        return key, idempotency.claim, ("p", params, None)
+
+    published: list[tuple[str, Any]] = []
+    async with opened(short_tmp) as store:
+        store.on_changes = published.extend
+        calls = [claim("k0"), claim("k1"), ("boom", insert_then_fail, ()), claim("k2")]
+        outcomes = await gated_batch(store, calls)
+        assert isinstance(outcomes.pop("boom"), ValueError)
+        stored = dict(query(short_tmp, "SELECT key, effect_ref FROM idempotency"))
+        assert {key: result.effect_ref for key, result in outcomes.items()} == stored
+        assert sorted(data["key"] for topic, data in published if topic == "idem") == [
+            "k0",
+            "k1",
+            "k2",
+        ]
+        assert not [data for topic, data in published if topic == "fleet"]
+        assert half_done not in {r.session_id for r in await rows(store)}
