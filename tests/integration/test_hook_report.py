@@ -436,6 +436,10 @@ class Tail:
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            # Ctrl-C is what ends a tail: give it the default SIGINT even when pytest
+            # itself runs with SIGINT ignored (a background job of a script), which a
+            # child would otherwise inherit.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.reading = threading.Event()
