@@ -147,6 +147,27 @@ def complete_statements(conn: sqlite3.Connection, operation: str, key: str, resu
     conn.execute(_SELECT, args).fetchone()
 
 
+_MINIMAL_COMPLETE = """UPDATE idempotency SET state = 'completed', result = ?, updated_at = ?
+    WHERE principal = ? AND operation = ? AND key = ? AND state = 'in_progress'"""
+
+
+def minimal_claim(conn: sqlite3.Connection, operation: str, key: str) -> None:
+    """The least a claim can be: one INSERT (a duplicate key fails on the primary key)."""
+    now = now_ms()
+    conn.execute(
+        _INSERT,
+        (PRINCIPAL, operation, key, NULL_PAYLOAD_HASH, "in_progress", str(uuid.uuid4()), None,
+         os.getpid(), 0, None, DAEMON_ID, now, now),
+    )  # fmt: skip
+
+
+def minimal_complete(conn: sqlite3.Connection, operation: str, key: str, result: object) -> None:
+    """The least a complete can be: one UPDATE guarded by the state."""
+    args = (msgspec.msgpack.encode(result), now_ms(), PRINCIPAL, operation, key)
+    if conn.execute(_MINIMAL_COMPLETE, args).rowcount != 1:
+        raise RuntimeError(f"key {key!r} is not in progress")
+
+
 def completed_row(operation: str, key: str, result: object, pid: int) -> tuple[object, ...]:
     """The row a claim + complete of ``key`` leaves behind."""
     now = now_ms()
