@@ -613,3 +613,29 @@ def test_the_first_push_is_the_change_right_after_the_snapshot(daemon):
         stop.set()
         for thread in writers:
             thread.join(10)
+
+
+def test_a_snapshot_that_cannot_fit_a_frame_is_refused_and_the_connection_goes_on(make_daemon):
+    """A row stored under a larger --max-frame cannot fit the frame of a daemon restarted
+    with a smaller one: the watch is answered `internal` naming the size, no subscription
+    is left behind, and the same connection then serves a ping and another watch."""
+    daemon = make_daemon()
+    daemon.start()
+    with daemon.client() as client:
+        client.session_register(cwd="/big", agent="a", prompt="p" * 300_000)
+    assert daemon.stop() == 0
+    daemon.start("--max-frame", "65536")
+    watcher = RawWatcher(daemon, None)
+    try:
+        watcher.watch(["fleet"])
+        answer = watcher.next()
+        assert answer["id"] == WATCH_ID and answer["error"]["code"] == "internal", answer
+        assert "over the frame limit" in answer["error"]["message"]
+        watcher.sock.sendall(lite.encode_request(8, "ping", {}))
+        pong = watcher.next()
+        assert pong["id"] == 8 and pong["result"]["pong"] is True, pong
+        watcher.watch(["events"])
+        assert watcher.read_snapshot() == {"events": {"events": []}}
+    finally:
+        watcher.close()
+    assert daemon.proc.poll() is None
