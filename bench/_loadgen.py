@@ -233,14 +233,16 @@ async def _drive(
     window: float,
     hello: bytes | None,
     server_pid: int | None,
+    spread: bool,
 ) -> LoadResult:
     loop = asyncio.get_running_loop()
     run = _Run(requests, sizes, 0, 0)
     connections: list[_Connection] = []
     for n in range(clients):
         done: asyncio.Future[None] = loop.create_future()
+        first = n * len(requests) // clients if spread else n
         _, conn = await loop.create_unix_connection(
-            lambda n=n, done=done: _Connection(run, n, done), str(path)
+            lambda first=first, done=done: _Connection(run, first, done), str(path)
         )
         connections.append(conn)
         if hello is not None:
@@ -299,9 +301,15 @@ def run_load(
     window: float,
     hello: bytes | None = None,
     server_pid: int | None = None,
+    spread: bool = False,
 ) -> LoadResult:
-    """Drive ``clients`` closed-loop connections; ``sizes`` are the expected answer payloads'."""
+    """Drive ``clients`` closed-loop connections; ``sizes`` are the expected answer payloads'.
+
+    Each connection sends ``requests`` in turn; with ``spread`` they start evenly apart
+    in that list (else at their own index), so no two read the same item close in time."""
     ensure_fd_limit(clients + 256)
     loop_factory = uvloop.new_event_loop if uvloop is not None else None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(_drive(path, requests, sizes, clients, warmup, window, hello, server_pid))
+        return runner.run(
+            _drive(path, requests, sizes, clients, warmup, window, hello, server_pid, spread)
+        )

@@ -16,7 +16,10 @@ pre-encoded frames, one request in flight per connection):
    core, then to two. Unpinned, the scheduler picks either, run by run, and on
    this VM a wake-up across cores costs ~40 us, so the 1-client ceiling is
    bimodal (~13 us or ~50 us); this shows towerd's ratio in both layouts.
-3. 8 clients rotating ping -> fleet.get -> idem.get, without and with 1,000
+3. Cold point reads: ``fleet.get`` and ``idem.get`` at 50 clients over 60,000
+   distinct rows each, more than the read cache keeps, each connection at its
+   own offset: every read goes to SQLite. Against the echo ceiling of (1).
+4. 8 clients rotating ping -> fleet.get -> idem.get, without and with 1,000
    idle connections that said hello (alternating, pooled per condition): p99
    with against p99 without.
 
@@ -223,6 +226,102 @@ def read_benchmark(
     return results
 
 
+COLD_ROWS = 60_000  # more than the read cache keeps per topic (daemon/read_cache.py)
+
+
+def setup_cold(daemon: Daemon, rows: int) -> dict[str, tuple[list[bytes], list[int]]]:
+    """``rows`` fleet rows and completed keys, and a fleet.get / idem.get request for
+    each with the size of its answer (recorded, pipelined)."""
+    requests: dict[str, list[bytes]] = {"fleet.get": [], "idem.get": []}
+    with Client(daemon.socket_path, client_name="bench-reads-cold") as client:
+        for start in range(0, rows, 500):
+            chunk = range(start, min(start + 500, rows))
+            registered = client.call_many(
+                [
+                    ("session.register", {"cwd": "/w", "agent": "a", "name": f"cold-{i:06d}"})
+                    for i in chunk
+                ]  # fmt: skip
+            )
+            keys = [f"cold:{i:06d}" for i in chunk]
+            client.call_many([("idem.claim", {"operation": "cold", "key": k}) for k in keys])
+            client.call_many(
+                [("idem.complete", {"operation": "cold", "key": k, "result": k}) for k in keys]
+            )
+            for answer, key in zip(registered, keys, strict=True):
+                params = {"session_id": answer["session_id"]}
+                requests["fleet.get"].append(
+                    frame({"id": REQUEST_ID, "method": "fleet.get", "params": params})
+                )
+                requests["idem.get"].append(
+                    frame(
+                        {
+                            "id": REQUEST_ID,
+                            "method": "idem.get",
+                            "params": {"operation": "cold", "key": key},
+                        }
+                    )  # fmt: skip
+                )
+    cold = {}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(daemon.socket_path))
+        sock.sendall(HELLO)
+        check_result(read_frame(sock), "hello")
+        for method, frames in requests.items():
+            sizes = []
+            for start in range(0, len(frames), 500):
+                chunk = frames[start : start + 500]
+                sock.sendall(b"".join(chunk))
+                for _ in chunk:
+                    payload = read_frame(sock)
+                    check_result(payload, method)
+                    sizes.append(len(payload))
+            cold[method] = (frames, sizes)
+    return cold
+
+
+def cold_benchmark(
+    towerd: Server,
+    ceiling: Server,
+    cold: dict[str, tuple[list[bytes], list[int]]],
+    hot: dict[tuple[str, str], Pooled],
+    clients: int,
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """Point reads that all miss the read cache: every connection walks its own stretch
+    of more distinct rows than the cache keeps. Ratio against the echo ceiling of the
+    same method in the same run (the echo does the same work whichever row it is)."""
+    print()
+    print(
+        f"cold point reads, {clients} clients: {len(cold['fleet.get'][0])} distinct rows per "
+        f"method ({COLD_ROWS} or more are more than the read cache keeps, so every read goes to "
+        "SQLite; --quick uses a tenth: mostly cache hits), each connection starting at its own "
+        f"offset; {args.rounds} round(s) pooled; ceiling: {ceiling.name} of the reads above"
+    )
+    print(
+        f"{'method':10} {'p50 us':>8} {'p99 us':>8} {'req/s':>8} {'srv CPU':>7}  "
+        f"{'req/s x ceil':>12}"
+    )
+    ratios = {}
+    for method, (frames, sizes) in cold.items():
+        rounds = []
+        for _ in range(args.rounds):
+            result = run_load(
+                towerd.path, frames, sizes, clients=clients, warmup=args.warmup,
+                window=args.window, hello=towerd.hello, server_pid=towerd.pid, spread=True,
+            )  # fmt: skip
+            if result.errors or not result.completed:
+                raise SystemExit(f"cold {method}: errors during the run: {result.errors}")
+            rounds.append(result)
+        r = Pooled(rounds)
+        ratios[method] = r.rps / hot[method, ceiling.name].rps
+        print(
+            f"{method:10} {us(r.p50):8.1f} {us(r.p99):8.1f} {r.rps:8.0f} "
+            f"{r.cpu('server_cpu_pct'):6.0f}%  {ratios[method]:12.2f}"
+        )
+    return ratios
+
+
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of ``pid`` onto ``cpus``."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -342,6 +441,7 @@ def main() -> None:
         if not daemon.start():
             raise SystemExit(f"towerd did not start; see {workdir / 'daemon.log'}")
         requests = setup(daemon)
+        cold = setup_cold(daemon, COLD_ROWS // 10 if args.quick else COLD_ROWS)
         answers = record_answers(daemon.socket_path, requests)
         sizes = {method: len(answer) - 4 for method, answer in answers.items()}
         replies = workdir / "replies.json"
@@ -378,6 +478,7 @@ def main() -> None:
 
         one = read_benchmark(servers, requests, sizes, 1, args)
         many = read_benchmark(servers, requests, sizes, args.clients, args)
+        cold_ratios = cold_benchmark(servers[0], ceiling, cold, many, args.clients, args)
         placement = {}
         if (os.cpu_count() or 1) >= 2:
             placement = placement_benchmark(
@@ -415,6 +516,12 @@ def main() -> None:
             print(
                 f"target: reads {args.clients} clients, {method} req/s >= {RPS_TARGET}x "
                 f"{ceiling.name}: measured {ratio:.2f}x -> {verdict(ratio >= RPS_TARGET)}"
+            )
+        for method, ratio in cold_ratios.items():
+            print(
+                f"measured: cold reads {args.clients} clients, {method} req/s (every read from "
+                f"SQLite) {ratio:.2f}x {ceiling.name} (no target: the targets are for the reads "
+                "above)"
             )
         ratio = idle_p99 / base_p99
         print(
