@@ -1,7 +1,8 @@
 """towerd's client library.
 
 * :class:`Client`: blocking, for hooks and scripts (imports no event loop).
-* :class:`AsyncClient`: anyio, for services; imported on first use only.
+* :class:`AsyncClient`: asyncio (anyio on asyncio too), for services; imported on first
+  use only.
 * :func:`run_once` / :func:`run_once_async`: run an effect at most once under
   an idempotency key, across lost connections and daemon restarts.
 * ``with client.effect(run_id, step_id, kind, target) as fx`` (and ``async with``

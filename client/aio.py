@@ -18,6 +18,7 @@ import asyncio
 import collections
 import inspect
 import os
+from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -61,11 +62,20 @@ class _Link(asyncio.Protocol):
         return False  # close our side too: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
-        reason = f"towerd closed the connection ({exc})" if exc else "towerd closed the connection"
-        self.client._lose(
-            Unavailable(reason, {"socket": str(self.client.socket_path), "reason": "closed"})
-        )
-        self.resume_writing()
+        client = self.client
+        if exc is None:
+            error = Unavailable(
+                f"towerd at {client.socket_path} closed the connection; a request in flight "
+                "may or may not have been applied: retry it with the same idempotency key",
+                {"socket": str(client.socket_path), "reason": "closed"},
+            )
+        else:
+            error = Unavailable(
+                f"lost towerd at {client.socket_path}: {exc!r}; the request may or may not "
+                "have been applied: retry it with the same idempotency key",
+                {"socket": str(client.socket_path), "reason": "connection"},
+            )
+        client._lose(error)
 
     def pause_writing(self) -> None:
         self.drained = asyncio.get_running_loop().create_future()
@@ -125,10 +135,15 @@ class AsyncClient(TowerdAPI):
             client._close()
 
     def _close(self) -> None:
+        """Fail whatever is pending and drop the socket at once (unsent bytes included:
+        with a daemon that stopped reading, a graceful close would wait on it forever)."""
+        self._lose(self._closed_error("this client is closed"))
         transport = self._link.transport
-        if transport is not None and not transport.is_closing():
-            transport.close()
-        self._lose(Unavailable("this client is closed", {"reason": "closed"}))
+        if transport is not None:
+            transport.abort()
+
+    def _closed_error(self, why: str) -> Unavailable:
+        return Unavailable(why, {"socket": str(self.socket_path), "reason": "closed"})
 
     async def call(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
         if self._lost is not None:
@@ -139,13 +154,15 @@ class AsyncClient(TowerdAPI):
         frame = encode_request(request_id, method, dict(params or {}), max_request)
         answer = self._pending[request_id] = self._loop.create_future()
         timer = None
+        if self.timeout is not None:  # the whole call, a wait for a full socket included
+            timer = self._loop.call_later(self.timeout, _time_out, answer)
         try:
             assert self._link.transport is not None
             self._link.transport.write(frame)
-            if self._link.drained is not None:
-                await asyncio.shield(self._link.drained)  # the daemon is not reading
-            if self.timeout is not None:
-                timer = self._loop.call_later(self.timeout, _time_out, answer)
+            while self._link.drained is not None and not answer.done():
+                # The daemon is not reading: wait for the socket to drain, the answer, the
+                # timeout or the end of the connection, whichever comes first.
+                await asyncio.wait((self._link.drained, answer), return_when=FIRST_COMPLETED)
             result, error = await answer
         finally:
             if timer is not None:
@@ -170,12 +187,7 @@ class AsyncClient(TowerdAPI):
             if self._decoder.error is not None:
                 raise self._decoder.error
         except Exception as exc:  # noqa: BLE001 - a bad frame ends the connection
-            self._lose(
-                Unavailable(
-                    f"towerd sent a bad frame: {exc}",
-                    {"socket": str(self.socket_path), "reason": "closed"},
-                )
-            )
+            self._lose(self._closed_error(f"towerd sent a bad frame: {exc}"))
             if self._link.transport is not None:
                 self._link.transport.abort()
 
@@ -249,9 +261,9 @@ class AsyncClient(TowerdAPI):
                     raise value
                 yield value
         finally:
-            self._lose(Unavailable("the watch was closed", {"reason": "closed"}))
+            self._lose(self._closed_error("the watch was closed"))
             if self._link.transport is not None:
-                self._link.transport.close()
+                self._link.transport.abort()
 
     def _lose(self, error: TowerdError) -> TowerdError:
         """The connection is over: every pending and later call fails with ``error``."""
@@ -260,6 +272,7 @@ class AsyncClient(TowerdAPI):
             for answer in self._pending.values():
                 if not answer.done():
                     answer.set_result((None, error))
+            self._link.resume_writing()  # no caller waits on a socket that is gone
             self._wake_watcher()
         return self._lost
 

@@ -374,12 +374,21 @@ class Connection(asyncio.Protocol):
         # before the subscription starts (a batch in flight delays it by that batch).
         subscription = Subscription(self, request.id, params.topics)
         self.subscription = subscription
+        self.in_flight += 1  # answered later: a drain or the peer's EOF waits for it
         self.handlers.store.at_rest(lambda: self.answer_watch(request, subscription, started))
 
     def answer_watch(self, request: Request, subscription: Subscription, started: float) -> None:
         """Register ``subscription`` and answer with its snapshot, in one loop step."""
+        self.in_flight -= 1
         if self.transport.is_closing() or self.subscription is not subscription:
             return  # the watcher left before its turn
+        self.subscribe_and_answer(request, subscription, started)
+        if self.finishing and self.in_flight == 0:
+            self.transport.close()  # the peer half-closed or the daemon drains: answered, done
+
+    def subscribe_and_answer(
+        self, request: Request, subscription: Subscription, started: float
+    ) -> None:
         hub = self.server.watch_hub
         try:
             snapshot = hub.subscribe(

@@ -393,7 +393,9 @@ async def test_a_daemon_killed_mid_call_fails_every_pending_call_and_later_ones(
                 tg.start_soon(call, i)
             await anyio.wait_all_tasks_blocked()
             daemon.kill9()
-        assert [exc.data["reason"] for exc in outcomes] == ["closed"] * 5
+        # EOF or a reset, as the kernel closes the killed daemon's socket.
+        assert len(outcomes) == 5
+        assert {exc.data["reason"] for exc in outcomes} <= {"closed", "connection"}
         with pytest.raises(Unavailable):
             await c.ping()
 
@@ -436,3 +438,53 @@ async def test_callers_wait_while_the_daemon_does_not_read_then_all_are_answered
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         assert results == {i: {"state": "claimed", "effect_ref": f"r{i}"} for i in range(64)}
+
+
+async def test_leaving_the_client_releases_callers_waiting_on_a_full_socket(daemon):
+    """The daemon stopped; callers in an outer task group wait for the socket to drain
+    when the `async with` block ends: each fails at once with Unavailable(closed)."""
+    blob = "x" * 200_000
+    reasons: list[str] = []
+
+    async def claim(c: AsyncClient, i: int) -> None:
+        try:
+            await c.idem_claim("left", f"k{i}", payload=blob)
+        except Unavailable as exc:
+            reasons.append(exc.data["reason"])
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                async with AsyncClient.open(daemon.socket_path, timeout=60) as c:
+                    os.kill(daemon.pid, signal.SIGSTOP)
+                    for i in range(64):
+                        tg.start_soon(claim, c, i)
+                    await anyio.wait_all_tasks_blocked()
+                    assert c._link.drained is not None, "the transport never paused writing"
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    assert reasons == ["closed"] * 64
+
+
+async def test_the_timeout_covers_a_call_waiting_on_a_full_socket(daemon):
+    """With the daemon stopped, a call stuck behind a full socket still ends with
+    Unavailable(timeout) after the client's timeout."""
+    blob = "x" * 200_000
+    reasons: list[str] = []
+    async with AsyncClient.open(daemon.socket_path, timeout=0.5) as c:
+
+        async def claim(i: int) -> None:
+            try:
+                await c.idem_claim("stuck", f"k{i}", payload=blob)
+            except Unavailable as exc:
+                reasons.append(exc.data["reason"])
+
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    for i in range(64):
+                        tg.start_soon(claim, i)
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+    assert reasons == ["timeout"] * 64

@@ -639,3 +639,38 @@ def test_a_snapshot_that_cannot_fit_a_frame_is_refused_and_the_connection_goes_o
     finally:
         watcher.close()
     assert daemon.proc.poll() is None
+
+
+def test_a_watch_sent_with_eof_while_writes_commit_is_answered_before_the_close(daemon):
+    """A peer that sends `watch` and at once half-closes its side: the daemon answers
+    the snapshot, then closes, even when the watch had to wait for a write batch in
+    flight (a waiting watch counts as a request in flight). Writers keep batches in
+    flight the whole time; 60 rounds."""
+    sid = daemon.client().session_register(cwd="/repo", agent="claude")["session_id"]
+    stop = threading.Event()
+
+    def write() -> None:
+        with daemon.client() as w:
+            while not stop.is_set():
+                w.call_many([("event.record", {"kind": "Stop", "session_id": sid})] * 16)
+
+    writers = [threading.Thread(target=write) for _ in range(2)]
+    for thread in writers:
+        thread.start()
+    try:
+        wait_for(lambda: daemon.client().event_list(limit=1)["events"], what="a first event")
+        for round_ in range(60):
+            watcher = RawWatcher(daemon, None)
+            try:
+                watcher.watch(["events"])
+                watcher.sock.shutdown(socket.SHUT_WR)
+                frames = watcher.read_to_eof()
+                assert frames and frames[0]["id"] == WATCH_ID, (round_, frames[:1])
+                assert "events" in frames[0]["result"]["snapshot"], (round_, frames[0])
+            finally:
+                watcher.close()
+    finally:
+        stop.set()
+        for thread in writers:
+            thread.join(10)
+    assert_no_errors_logged(daemon)
