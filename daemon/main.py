@@ -9,6 +9,7 @@ import argparse
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +24,12 @@ import structlog
 from towerd.daemon import systemd
 from towerd.daemon.handlers import DaemonInfo, Handlers
 from towerd.daemon.instance import AlreadyRunning, InstanceLock
+from towerd.daemon.listen import (
+    SocketLock,
+    bind_private_socket,
+    current_holder,
+    refuse_live_socket,
+)
 from towerd.daemon.logs import configure_logging
 from towerd.daemon.maintenance import (
     HolderSweep,
@@ -30,7 +37,7 @@ from towerd.daemon.maintenance import (
     expire_periodically,
 )
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
-from towerd.daemon.server import Limits, Server, bind_private_socket
+from towerd.daemon.server import Limits, Server
 from towerd.daemon.store import StoreConfig, open_store
 from towerd.daemon.store.tx import now_ms
 from towerd.daemon.watch import DEFAULT_MAX_QUEUED_BYTES, WatchHub
@@ -105,39 +112,57 @@ async def _run(config: DaemonConfig, stop: StopRequest) -> None:
     state_dir = ensure_private_dir(config.state_dir, "state dir")
     activated = systemd.listen_socket()
     socket_path = Path(activated.getsockname()) if activated else config.socket_path
+    wait = config.takeover_timeout if config.takeover else 0.0
     if config.takeover:
-        await ask_running_daemon_to_stop(socket_path)
+        await ask_running_daemon_to_stop(socket_path, state_dir)
     lock = await anyio.to_thread.run_sync(
-        partial(
-            InstanceLock.acquire,
-            state_dir,
-            socket_path,
-            wait_seconds=config.takeover_timeout if config.takeover else 0.0,
-        )
+        partial(InstanceLock.acquire, state_dir, socket_path, wait_seconds=wait)
     )
     try:
-        store_config = StoreConfig(
-            state_dir,
-            completed_ttl_ms=int(config.completed_ttl_seconds * 1000),
-            worker_ttl_ms=int(config.worker_ttl_seconds * 1000),
-            retention_ms=int(config.retention_days * 86_400_000),
-            event_retention_ms=int(config.event_retention_days * 86_400_000),
-            events_per_session=config.events_per_session,
+        socket_lock = await anyio.to_thread.run_sync(
+            partial(SocketLock.acquire, socket_path, state_dir, wait_seconds=wait)
         )
-        async with open_store(store_config) as store:
-            log.info(
-                "reconciled",
-                daemon_id=store.daemon_id,
-                **msgspec.structs.asdict(store.reconciliation),
-            )
-            listening = activated or bind_private_socket(socket_path)
-            try:
-                await serve(config, store, listening, socket_path, stop)
-            finally:
-                if activated is None:
-                    socket_path.unlink(missing_ok=True)
+        try:
+            if activated is None:
+                # Before the store is opened (and its epoch bumped): a live socket is
+                # another daemon's, and this one must not start at all.
+                await anyio.to_thread.run_sync(refuse_live_socket, socket_path)
+            await _open_and_serve(config, stop, state_dir, socket_path, activated)
+        finally:
+            socket_lock.release()
     finally:
         lock.release()
+
+
+async def _open_and_serve(
+    config: DaemonConfig,
+    stop: StopRequest,
+    state_dir: Path,
+    socket_path: Path,
+    activated: socket.socket | None,
+) -> None:
+    store_config = StoreConfig(
+        state_dir,
+        completed_ttl_ms=int(config.completed_ttl_seconds * 1000),
+        worker_ttl_ms=int(config.worker_ttl_seconds * 1000),
+        retention_ms=int(config.retention_days * 86_400_000),
+        event_retention_ms=int(config.event_retention_days * 86_400_000),
+        events_per_session=config.events_per_session,
+    )
+    async with open_store(store_config) as store:
+        log.info(
+            "reconciled",
+            daemon_id=store.daemon_id,
+            **msgspec.structs.asdict(store.reconciliation),
+        )
+        if activated is not None:
+            await serve(config, store, activated, socket_path, stop)
+            return
+        bound = bind_private_socket(socket_path)
+        try:
+            await serve(config, store, bound.socket, socket_path, stop)
+        finally:
+            bound.unlink()
 
 
 async def serve(config, store, listening, socket_path: Path, stop: StopRequest) -> None:
@@ -229,9 +254,21 @@ async def _watchdog(store, interval: float) -> None:
         await anyio.sleep(interval)
 
 
-async def ask_running_daemon_to_stop(socket_path: Path) -> None:
-    """--takeover: ask the daemon on our socket to shut down (it may be gone already)."""
+async def ask_running_daemon_to_stop(socket_path: Path, state_dir: Path) -> None:
+    """--takeover: ask the daemon on our socket to shut down (it may be gone already).
+    A daemon of another state dir is not ours to replace: its clients would land on
+    another store."""
     from towerd.client import Client, TowerdError
+
+    holder = current_holder(socket_path) or {}
+    serving = holder.get("state_dir")
+    if serving is not None and os.path.realpath(str(serving)) != os.path.realpath(state_dir):
+        raise AlreadyRunning(
+            f"--takeover refused: the socket {socket_path} is served by towerd pid "
+            f"{holder.get('pid', '?')} with another state dir ({serving}), not {state_dir}; "
+            "a takeover replaces a daemon of the same state dir only",
+            holder,
+        )
 
     def request() -> None:
         try:
