@@ -48,6 +48,7 @@ def examine(
                 f"epoch {status['owner_epoch']}, protocol {status['protocol']}",
             )
         )
+        findings += _health_findings(status)
         state_dir = state_dir or Path(status["db_path"]).parent
     except TowerdError as exc:
         findings.append(
@@ -65,8 +66,22 @@ def examine(
     state_dir = state_dir or Path(default_state_dir())
     findings += _private_path(state_dir, "state dir", want_dir=True)
     db_path = state_dir / "towerd.db"
+    findings += _disk_findings(state_dir)
     if db_path.exists():
         findings += _private_path(db_path, "database file", want_dir=False)
+    elif (state_dir / "daemon_id").exists():
+        findings.append(
+            Finding(
+                "database",
+                "error",
+                f"{db_path} is missing, but {state_dir} held a store (its daemon_id record "
+                "is there): towerd refuses to start afresh, which would forget every "
+                "acknowledged key",
+                f"restore the database from a backup (e.g. {state_dir / 'backups'}, or one "
+                "`towerctl backup` made), or start towerd once with --new-store to begin "
+                "an empty store on purpose",
+            )
+        )
     if report is not None:
         findings += _database_findings(report)
     elif db_path.exists():
@@ -105,6 +120,65 @@ def _private_path(path: Path, what: str, *, want_dir: bool, socket: bool = False
             f"{path} " + ", ".join(problems),
             f"`chmod {wanted} {path}` and make sure it belongs to you"
             + ("" if not socket else "; restarting towerd recreates the socket"),
+        )
+    ]
+
+
+CLOCK_OFFSET_WARNING_MS = 60_000
+DISK_WARNING_BYTES = 64 * 1024 * 1024
+
+
+def _health_findings(status: dict[str, Any]) -> list[Finding]:
+    """The daemon's background tasks and its clock, as ``status`` reports them."""
+    findings = []
+    failing = [task for task in status.get("upkeep") or [] if task["failures"]]
+    for task in failing:
+        fix = (
+            "free space on the disk holding the state dir; the task retries by itself"
+            if task["last_error_code"] == "storage_full"
+            else "see the daemon's log (`upkeep_failed`); the task retries by itself"
+        )
+        findings.append(
+            Finding(
+                f"upkeep {task['name']}",
+                "error",
+                f"background task {task['name']} failed {task['failures']} time(s) in a "
+                f"row ({task['last_error_code']}): {task['last_error']}",
+                fix,
+            )
+        )
+    if not failing:
+        findings.append(Finding("upkeep", "ok", "every background task runs"))
+    clock = status.get("clock")
+    if clock and abs(clock["offset_ms"]) > CLOCK_OFFSET_WARNING_MS:
+        findings.append(
+            Finding(
+                "clock",
+                "warning",
+                f"the wall clock is {clock['offset_ms'] / 1000:+.0f} s from towerd's clock "
+                f"({clock['steps_detected']} step(s) seen): towerd measures TTLs in real "
+                "elapsed time and shows its own times until the next reboot",
+                "nothing to do for correctness; times shown by towerd are off by that much",
+            )
+        )
+    return findings
+
+
+def _disk_findings(state_dir: Path) -> list[Finding]:
+    try:
+        info = os.statvfs(state_dir)
+    except OSError:
+        return []
+    free = info.f_bavail * info.f_frsize
+    if free >= DISK_WARNING_BYTES:
+        return [Finding("disk", "ok", f"{free // (1024 * 1024)} MiB free for {state_dir}")]
+    return [
+        Finding(
+            "disk",
+            "error" if free < 1024 * 1024 else "warning",
+            f"only {free // 1024} KiB free on the disk holding {state_dir}: writes fail "
+            "storage_full when it is full",
+            "free some space on that disk",
         )
     ]
 

@@ -20,10 +20,11 @@ from asyncio import Future
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from towerd.daemon.clock import StepDetector
 from towerd.daemon.processes import holder_of
 from towerd.daemon.read_cache import ReadCache
 from towerd.daemon.store import (
@@ -44,10 +45,13 @@ from towerd.daemon.store import (
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.legacy import import_legacy
 from towerd.daemon.store.status import status_counts
-from towerd.daemon.store.tx import fit, now_ms
+from towerd.daemon.store.tx import current_clock, fit, now_ms
 from towerd.protocol import PROTOCOL_VERSION, SERVER_NAME, VERSION
 from towerd.protocol import methods as m
 from towerd.protocol.errors import BadArgs, Conflict
+
+if TYPE_CHECKING:
+    from towerd.daemon.maintenance import Upkeep
 
 
 @dataclass
@@ -93,6 +97,8 @@ class Handlers:
         self.store = store
         self.info = info
         self.cache = ReadCache()  # fed by the store's change notes (see daemon/main.py)
+        self.clock_steps = StepDetector(current_clock())  # the guard task checks it
+        self.upkeep: Upkeep | None = None  # the background tasks' health, for status
         self._request_shutdown = request_shutdown
         self.table: dict[str, Handler] = {
             "hello": self.hello,
@@ -193,6 +199,16 @@ class Handlers:
             sessions=sessions,
             keys=keys,
             reconciliation=self.store.reconciliation,
+            clock=self._clock_report(),
+            upkeep=list(self.upkeep.tasks.values()) if self.upkeep else [],
+        )
+
+    def _clock_report(self) -> m.ClockReport:
+        clock = self.clock_steps.clock
+        now = clock.now_ms()
+        offset = clock.offset_ms()
+        return m.ClockReport(
+            now=now, wall=now + offset, offset_ms=offset, steps_detected=self.clock_steps.steps
         )
 
     def shutdown(self, caller: Caller, params: m.Empty) -> m.ShutdownResult:

@@ -31,6 +31,7 @@ class InstanceLock:
     def __init__(self, fd: int, path: Path) -> None:
         self._fd = fd
         self.path = path
+        self._record: dict[str, object] = {}
 
     @classmethod
     def acquire(
@@ -56,9 +57,21 @@ class InstanceLock:
                         holder,
                     ) from None
                 time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "socket": str(socket_path)}).encode(), 0)
-        return cls(fd, path)
+        lock = cls(fd, path)
+        # The previous daemon's id is kept: it tells a later start that a store lived
+        # here (daemon/store/identity.py).
+        lock._write(socket=str(socket_path), daemon_id=read_holder(path).get("daemon_id"))
+        return lock
+
+    def _write(self, **fields: object) -> None:
+        record = {"pid": os.getpid(), **{k: v for k, v in fields.items() if v is not None}}
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, json.dumps(record).encode(), 0)
+        self._record = record
+
+    def record_daemon(self, daemon_id: str) -> None:
+        """Note which store this daemon opened."""
+        self._write(socket=self._record.get("socket"), daemon_id=daemon_id)
 
     def release(self) -> None:
         os.close(self._fd)

@@ -33,8 +33,10 @@ from towerd.daemon.listen import (
 from towerd.daemon.logs import configure_logging
 from towerd.daemon.maintenance import (
     HolderSweep,
+    Upkeep,
     checkpoint_periodically,
     expire_periodically,
+    guard_periodically,
 )
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.server import Limits, Server
@@ -64,6 +66,7 @@ class DaemonConfig:
     shutdown_grace: float = 10.0
     takeover: bool = False
     takeover_timeout: float = 15.0
+    new_store: bool = False
     max_connections: int = 1024
     frame_timeout: float = 10.0
     send_timeout: float = 10.0
@@ -127,7 +130,7 @@ async def _run(config: DaemonConfig, stop: StopRequest) -> None:
                 # Before the store is opened (and its epoch bumped): a live socket is
                 # another daemon's, and this one must not start at all.
                 await anyio.to_thread.run_sync(refuse_live_socket, socket_path)
-            await _open_and_serve(config, stop, state_dir, socket_path, activated)
+            await _open_and_serve(config, stop, lock, socket_path, activated)
         finally:
             socket_lock.release()
     finally:
@@ -137,19 +140,21 @@ async def _run(config: DaemonConfig, stop: StopRequest) -> None:
 async def _open_and_serve(
     config: DaemonConfig,
     stop: StopRequest,
-    state_dir: Path,
+    lock: InstanceLock,
     socket_path: Path,
     activated: socket.socket | None,
 ) -> None:
     store_config = StoreConfig(
-        state_dir,
+        lock.path.parent,
         completed_ttl_ms=int(config.completed_ttl_seconds * 1000),
         worker_ttl_ms=int(config.worker_ttl_seconds * 1000),
         retention_ms=int(config.retention_days * 86_400_000),
         event_retention_ms=int(config.event_retention_days * 86_400_000),
         events_per_session=config.events_per_session,
+        new_store=config.new_store,
     )
     async with open_store(store_config) as store:
+        lock.record_daemon(store.daemon_id)
         log.info(
             "reconciled",
             daemon_id=store.daemon_id,
@@ -180,7 +185,9 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         ),
         request_shutdown=stop.request,
     )
-    sweep = HolderSweep(store, config.holder_check_interval)
+    upkeep = Upkeep()
+    handlers.upkeep = upkeep
+    sweep = HolderSweep(store, config.holder_check_interval, upkeep)
     server = Server(
         handlers,
         limits=Limits(
@@ -203,12 +210,14 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
     async with anyio.create_task_group() as tasks:
         await tasks.start(server.serve, listening)
         tasks.start_soon(sweep.run)
-        tasks.start_soon(expire_periodically, store, config.expiry_interval)
-        tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval)
+        tasks.start_soon(expire_periodically, store, config.expiry_interval, upkeep)
+        tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval, upkeep)
+        tasks.start_soon(guard_periodically, store, handlers.clock_steps, upkeep)
         tasks.start_soon(_stop_when_superseded, store, stop)
+        tasks.start_soon(_stop_when_store_lost, store, stop)
         interval = systemd.watchdog_interval()
         if interval:
-            tasks.start_soon(_watchdog, store, interval)
+            tasks.start_soon(_watchdog, store, interval, upkeep)
         systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
         log.info("serving", socket=str(socket_path), pid=os.getpid(), version=VERSION)
         await stop.event.wait()
@@ -246,11 +255,27 @@ async def _stop_when_superseded(store, stop: StopRequest) -> None:
     stop.request("superseded by a later epoch of this daemon", EXIT_REFUSED)
 
 
-async def _watchdog(store, interval: float) -> None:
+async def _stop_when_store_lost(store, stop: StopRequest) -> None:
+    await store.lost.wait()
+    log.error(
+        "store_lost",
+        code="unavailable",
+        daemon_id=store.daemon_id,
+        db_path=str(store.db_path),
+        reason=store.lost_reason,
+    )
+    stop.request(f"the database was deleted or replaced ({store.lost_reason})", EXIT_REFUSED)
+
+
+async def _watchdog(store, interval: float, upkeep: Upkeep) -> None:
     """Ping systemd only while the event loop and the database thread both answer."""
-    while True:
+
+    async def answer() -> None:
         await store.read(lambda tx: tx.conn.execute("SELECT 1").fetchone())
         systemd.notify("WATCHDOG=1")
+
+    while True:
+        await upkeep.attempt("watchdog", answer)
         await anyio.sleep(interval)
 
 
@@ -302,6 +327,12 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         help="ask the running daemon to stop, then start at the next epoch",
     )
     parser.add_argument("--takeover-timeout", type=float, default=15.0, metavar="SECONDS")
+    parser.add_argument(
+        "--new-store",
+        action="store_true",
+        help="start an empty store although the state dir shows a previous one was lost "
+        "(its database is missing or was replaced): every key it held is forgotten",
+    )
     parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES")
     parser.add_argument(
         "--completed-ttl",
@@ -420,6 +451,7 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         shutdown_grace=args.shutdown_grace,
         takeover=args.takeover,
         takeover_timeout=args.takeover_timeout,
+        new_store=args.new_store,
         max_connections=args.max_connections,
         frame_timeout=args.frame_timeout,
         send_timeout=args.send_timeout,

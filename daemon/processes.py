@@ -36,18 +36,28 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     return PeerCredentials(*_PEERCRED.unpack(raw))
 
 
+class LivenessUnknown(OSError):
+    """/proc could not be read (out of file descriptors, say): the process may be
+    alive. Never a reason to call it dead."""
+
+
 def _stat_fields(pid: int) -> list[str] | None:
+    """The fields after the command name, or None when there is no such process.
+    Raises ``LivenessUnknown`` when /proc cannot tell (EMFILE, ENFILE, EACCES...)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as handle:
             data = handle.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except (FileNotFoundError, ProcessLookupError):
         return None
+    except OSError as exc:
+        raise LivenessUnknown(exc.errno, f"cannot read /proc/{pid}/stat: {exc.strerror}") from None
     # The command name may contain spaces and parentheses: split after the last ')'.
     return data[data.rindex(b")") + 2 :].decode("ascii", "replace").split()
 
 
 def process_start_time(pid: int) -> int | None:
-    """Start time of a live (non-zombie) process, or None if there is none."""
+    """Start time of a live (non-zombie) process, or None if there is none; raises
+    ``LivenessUnknown`` when /proc cannot tell."""
     fields = _stat_fields(pid)
     if fields is None or fields[0] in ("Z", "X", "x"):
         return None
@@ -55,9 +65,16 @@ def process_start_time(pid: int) -> int | None:
 
 
 def holder_of(pid: int) -> Holder | None:
+    """The live process ``pid`` as a holder; raises ``LivenessUnknown`` when /proc cannot
+    tell (the caller refuses what needed it, rather than guess)."""
     start = process_start_time(pid)
     return None if start is None else Holder(pid, start)
 
 
 def is_alive(holder: Holder) -> bool:
-    return process_start_time(holder.pid) == holder.start
+    """False only on evidence that the process is gone (no such pid, a zombie, another
+    start time); a holder whose liveness cannot be read counts as alive."""
+    try:
+        return process_start_time(holder.pid) == holder.start
+    except LivenessUnknown:
+        return True

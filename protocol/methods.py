@@ -117,6 +117,26 @@ class ReconcileReport(Struct):
     expired: int = 0
 
 
+class ClockReport(Struct):
+    """towerd's clock against the wall clock (docs/protocol.md, "Time")."""
+
+    now: Millis  # towerd's time: real elapsed time since its anchor
+    wall: Millis  # the wall clock at the same moment
+    offset_ms: int  # wall - now: the wall-clock steps since the anchor
+    steps_detected: int  # wall-clock steps noticed since this daemon started
+
+
+class UpkeepTask(Struct):
+    """One background task: how its runs went (a failing task retries with backoff)."""
+
+    name: str
+    runs: int
+    failures: int  # consecutive failures; 0 when the last run succeeded
+    last_error_code: str | None = None
+    last_error: str | None = None
+    last_failed_at: Millis | None = None
+
+
 class StatusResult(Struct):
     daemon_id: str
     owner_epoch: int
@@ -130,6 +150,8 @@ class StatusResult(Struct):
     sessions: int
     keys: KeyCounts
     reconciliation: ReconcileReport
+    clock: ClockReport | None = None
+    upkeep: list[UpkeepTask] = []
 
 
 class ShutdownResult(Struct):

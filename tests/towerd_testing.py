@@ -165,3 +165,50 @@ def towerctl(
         timeout=30,
         **kwargs,
     )
+
+
+def fill_filesystem(directory: str | os.PathLike[str]) -> str:
+    """Write a filler file into ``directory`` until its filesystem is full; returns it."""
+    import errno
+
+    path = os.path.join(directory, "filler")
+    block = b"\0" * 4096
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        while True:
+            os.write(fd, block)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    finally:
+        os.close(fd)
+    return path
+
+
+def can_mount_tmpfs() -> str | None:
+    """Why a size-capped tmpfs in a mount namespace is impossible here, or None."""
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "needs root and unshare(1) to mount a size-capped tmpfs"
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        return f"the kernel refuses mount namespaces here: {probe.stderr.decode().strip()}"
+    return None
+
+
+def spawn_on_small_disk(
+    daemon: Daemon, mountpoint: Path, *extra: str, size: str = "4m", before_exec: str = ""
+) -> subprocess.Popen[bytes]:
+    """Run ``daemon`` in its own mount namespace with a ``size`` tmpfs on ``mountpoint``
+    (its state dir must be inside it). ``before_exec`` is shell run first, inside the
+    namespace (``$M`` is the mountpoint): to copy a state dir in, or fill the disk. The
+    test reaches the tmpfs through ``/proc/<pid>/root``."""
+    script = f'M="$0"; mount -t tmpfs -o size={size},mode=0700 tmpfs "$M" && {{ {before_exec or ":"}; }}; exec "$@"'
+    log = open(daemon.log_path, "ab")  # noqa: SIM115 - the process's lifetime
+    daemon.proc = subprocess.Popen(
+        ["unshare", "-m", "sh", "-c", script, str(mountpoint), *daemon.command(*extra)],
+        env=daemon.env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    return daemon.proc

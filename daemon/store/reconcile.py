@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from towerd.daemon.clock import Anchor
 from towerd.daemon.crashpoints import crash_point
+from towerd.daemon.store import clock as clock_record
 from towerd.daemon.store import effects
 from towerd.daemon.store.idempotency import (
     COMPLETED,
@@ -81,10 +83,13 @@ def start_daemon(
     host: str,
     now: int,
     completed_ttl_ms: int,
+    clock_anchor: Anchor | None = None,
 ) -> tuple[Tx, ReconcileReport]:
     """The start-up transaction. Returns the daemon's write context and what it did."""
     conn.execute("BEGIN IMMEDIATE")
     try:
+        if clock_anchor is not None:
+            clock_record.save_anchor(conn, clock_anchor, now)
         daemon_id = daemon_id or mint_or_load_daemon_id(conn)
         epoch = conn.execute(
             """INSERT INTO daemons (daemon_id, owner_epoch, pid, host, started_at)

@@ -13,11 +13,12 @@ connection and never wait behind the writer.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import socket
 import sqlite3
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,11 +27,20 @@ import aiosqlite
 import anyio
 import structlog
 
+from towerd.daemon.clock import DaemonClock
 from towerd.daemon.crashpoints import crash_point
-from towerd.daemon.private_paths import check_private, ensure_private_dir
-from towerd.daemon.store import schema
+from towerd.daemon.private_paths import StartRefused, check_private, ensure_private_dir
+from towerd.daemon.store import clock as clock_record
+from towerd.daemon.store import identity, schema
 from towerd.daemon.store.reconcile import start_daemon
-from towerd.daemon.store.tx import Refused, Tx, now_ms, translate_sqlite_error
+from towerd.daemon.store.tx import (
+    SQLITE_FULL,
+    Refused,
+    Tx,
+    now_ms,
+    translate_sqlite_error,
+    use_clock,
+)
 from towerd.protocol.errors import StaleEpoch, Unavailable
 from towerd.protocol.methods import DEFAULT_WORKER_TTL_MS, ReconcileReport
 
@@ -56,6 +66,9 @@ class StoreConfig:
     # Open the store as this daemon id instead of the state dir's own (several
     # daemons sharing one store; tests of ownership between daemons).
     daemon_id: str | None = None
+    # Start an empty store (or adopt a foreign one) where a previous store's signs
+    # are found (daemon/store/identity.py).
+    new_store: bool = False
 
 
 class _DbThread:
@@ -124,6 +137,11 @@ class Store:
         self._changes: list[tuple[str, Any]] = []
         self._batch_in_flight = False
         self._at_rest: list[Callable[[], None]] = []
+        # The files as opened: a database deleted or replaced under the daemon is
+        # noticed after each commit and by check_files(), and nothing more is answered.
+        self._files = DatabaseFiles(db_path)
+        self.lost = anyio.Event()
+        self.lost_reason: str | None = None
 
     # --- the API handlers use ------------------------------------------------------
 
@@ -134,6 +152,9 @@ class Store:
         from it confirms a durable write); no task is needed to wait for it.
         """
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        if self.lost_reason is not None:
+            future.set_exception(self._lost_error())
+            return future
         if self._closing or self.superseded.is_set():
             future.set_exception(
                 Unavailable("towerd is shutting down; retry against the next daemon")
@@ -155,6 +176,8 @@ class Store:
         between reads (to save the ~3 us of starting one), it let the WAL grow by
         ~4 KiB per write under steady writes (tests/integration/test_wal_bounded.py).
         """
+        if self.lost_reason is not None:
+            raise self._lost_error()
         conn = self._inline
         try:
             conn.execute("BEGIN")
@@ -181,6 +204,8 @@ class Store:
         def run(conn: sqlite3.Connection) -> T:
             return fn(Tx(conn, self.daemon_id, self.owner_epoch, now_ms()), *args)
 
+        if self.lost_reason is not None:
+            raise self._lost_error()
         try:
             return await self._reader.run(run)
         except sqlite3.Error as exc:
@@ -228,6 +253,8 @@ class Store:
             self._run_at_rest()
             if self._superseded:
                 self.superseded.set()
+            if self.lost_reason is not None:
+                self.lost.set()
 
     def _run_at_rest(self) -> None:
         callbacks, self._at_rest = self._at_rest, []
@@ -261,6 +288,12 @@ class Store:
             crash_point("batch.before_commit")
             conn.execute("COMMIT")
             crash_point("batch.after_commit")
+            lost = self._files.lost()
+            if lost is not None:
+                # Committed into a file nobody will open again: not acknowledged.
+                self.lost_reason = lost
+                _fail_all(jobs, self._lost_error())
+                return
             self._changes = tx.changes
         except sqlite3.Error as exc:
             if conn.in_transaction:
@@ -319,6 +352,25 @@ class Store:
             {"daemon_id": self.daemon_id, "epoch": self.owner_epoch},
         )
 
+    def check_files(self) -> bool:
+        """Whether the database files are still the ones opened; if not, stop answering
+        (``lost`` is set). Called periodically, so an idle daemon notices too."""
+        if self.lost_reason is None:
+            self.lost_reason = self._files.lost()
+        if self.lost_reason is not None:
+            self.lost.set()
+            return False
+        return True
+
+    def _lost_error(self) -> Unavailable:
+        return Unavailable(
+            f"towerd's database was deleted or replaced while the daemon ran "
+            f"({self.lost_reason}); nothing more is written or answered from it, and the "
+            "daemon is stopping. Restore the database from a backup before starting towerd "
+            "again (`towerctl doctor` says what it finds)",
+            {"reason": "store_lost", "db_path": str(self.db_path)},
+        )
+
     def _close_queue(self) -> None:
         self._closing = True
         self._wakeup.set()
@@ -342,6 +394,39 @@ def _as_wire_error(exc: BaseException) -> BaseException:
     return exc
 
 
+class DatabaseFiles:
+    """The (device, inode) of the database and its WAL and shared-memory files as the
+    daemon opened them. SQLite keeps writing to an unlinked file, so ``rm towerd.db*``
+    under a running daemon would otherwise go unnoticed until the next start found no
+    store at all. Three ``stat`` calls: a few microseconds per batch."""
+
+    SUFFIXES = ("", "-wal", "-shm")
+
+    def __init__(self, db_path: Path) -> None:
+        self.paths = [str(db_path) + suffix for suffix in self.SUFFIXES]
+        self.opened = [self._identity(path) for path in self.paths]
+
+    @staticmethod
+    def _identity(path: str) -> tuple[int, int] | None:
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            return None
+        return (info.st_dev, info.st_ino)
+
+    def lost(self) -> str | None:
+        """What happened to a file since it was opened, or None if all are as opened."""
+        for path, opened in zip(self.paths, self.opened, strict=True):
+            if opened is None:
+                continue
+            now = self._identity(path)
+            if now is None:
+                return f"{path} was removed"
+            if now != opened:
+                return f"{path} was replaced by another file"
+        return None
+
+
 # --- opening ---------------------------------------------------------------------------
 
 
@@ -356,15 +441,31 @@ def _create_private_file(path: Path) -> None:
     os.close(fd)
 
 
-def _open_writer(
-    conn: sqlite3.Connection, config: StoreConfig, db_path: Path
-) -> tuple[Tx, ReconcileReport]:
-    """Read-only checks (header, integrity, shape), then pragmas, migrations, the shape
-    again, and the start-up transaction."""
-    version = schema.check_header(conn, db_path)
-    if version > 0:
+def preflight(db_path: Path) -> tuple[int, str | None]:
+    """The checks before anything is written, on a read-only connection: header (not
+    ours, newer), integrity, shape. Returns the schema version and the daemon id stored
+    in the file. A refused file stays byte for byte as it was, its WAL included: a
+    read-write connection would checkpoint the WAL into it when closed."""
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, isolation_level=None)
+    try:
+        version = schema.check_header(conn, db_path)
+        if version == 0:
+            return 0, None
         schema.check_integrity(conn, db_path)
-        schema.check_shape(conn, db_path, version)  # before anything is written
+        schema.check_shape(conn, db_path, version)
+        row = conn.execute("SELECT value FROM meta WHERE key = 'daemon_id'").fetchone()
+        return version, None if row is None else row[0]
+    except sqlite3.Error as exc:
+        raise StartRefused(f"{db_path}: cannot read the database to check it: {exc}") from None
+    finally:
+        conn.close()
+
+
+def _open_writer(
+    conn: sqlite3.Connection, config: StoreConfig, db_path: Path, version: int
+) -> tuple[Tx, ReconcileReport]:
+    """Pragmas, migrations from ``version`` (checked by :func:`preflight`), the shape
+    again, and the start-up transaction."""
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if mode != "wal":
         raise schema.StartRefused(f"{db_path}: cannot switch to WAL journaling (got {mode!r})")
@@ -372,14 +473,50 @@ def _open_writer(
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     schema.migrate(conn, version, db_path, config.state_dir / BACKUP_DIR)
     schema.check_shape(conn, db_path)
+    previous_anchor, high_water = clock_record.load(conn)
+    clock = DaemonClock.resume(previous_anchor, high_water)
+    use_clock(clock)
     return start_daemon(
         conn,
         daemon_id=config.daemon_id,
         pid=os.getpid(),
         host=socket.gethostname(),
-        now=now_ms(),
+        now=clock.now_ms(),
         completed_ttl_ms=config.completed_ttl_ms,
+        clock_anchor=clock.anchor,
     )
+
+
+@contextmanager
+def _full_disk_refused(state_dir: Path) -> Iterator[None]:
+    """Start-up on a full disk is a refusal with a message, not a traceback (and not a
+    restart loop: the exit code says restarting will not help until space is freed).
+    A full disk shows up as SQLITE_FULL, ENOSPC, or as whatever SQLite could not create
+    (its -shm file, say), so any failure while the disk is full counts as one."""
+    try:
+        yield
+    except (sqlite3.Error, OSError, StartRefused) as exc:
+        # (A read that fails for lack of space reads as a damaged file: StartRefused.)
+        full = getattr(exc, "sqlite_errorcode", 0) & 0xFF == SQLITE_FULL or getattr(
+            exc, "errno", None
+        ) in (errno.ENOSPC, errno.EDQUOT)
+        if not (full or disk_is_full(state_dir)):
+            raise
+        raise StartRefused(
+            f"the disk holding the state dir {state_dir} is full ({exc}); nothing was "
+            "changed. Free some space, then start towerd again"
+        ) from None
+
+
+DISK_FULL_BYTES = 64 * 1024  # free space below this is a full disk to SQLite
+
+
+def disk_is_full(path: Path) -> bool:
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return False
+    return info.f_bavail * info.f_frsize < DISK_FULL_BYTES or info.f_favail == 0
 
 
 def _open_inline_reader(db_path: Path) -> sqlite3.Connection:
@@ -397,20 +534,31 @@ def _open_reader(conn: sqlite3.Connection) -> None:
 async def open_store(config: StoreConfig) -> AsyncIterator[Store]:
     """Open (creating or migrating) the store, start this daemon's epoch, reconcile.
 
-    Raises ``StartRefused`` for a database that must not be touched. On exit,
-    pending writes are committed and both connections closed.
+    Raises ``StartRefused`` for a database that must not be touched, a state dir whose
+    store was lost (daemon/store/identity.py), or a full disk. On exit, pending writes
+    are committed and the connections closed.
     """
     state_dir = ensure_private_dir(config.state_dir, "state dir")
     db_path = state_dir / DB_FILE
     check_private(db_path, "state database", want_dir=False)
-    _create_private_file(db_path)
+    own_identity = config.daemon_id is None  # not a test opening the store as another daemon
+    if own_identity:
+        identity.refuse_lost_store(state_dir, db_path, state_dir / BACKUP_DIR, config.new_store)
+    with _full_disk_refused(state_dir):
+        _create_private_file(db_path)
+        version, stored_id = await anyio.to_thread.run_sync(preflight, db_path)
+    if own_identity:
+        identity.refuse_foreign_store(state_dir, stored_id, config.new_store)
     writer = await _DbThread.open(db_path)
     try:
-        identity, report = await writer.run(_open_writer, config, db_path)
+        with _full_disk_refused(state_dir):
+            started, report = await writer.run(_open_writer, config, db_path, version)
+            if own_identity:
+                await anyio.to_thread.run_sync(identity.keep_record, state_dir, started.daemon_id)
         reader = await _DbThread.open(db_path)
         try:
             await reader.run(_open_reader)
-            store = Store(config, writer, reader, identity, report, db_path)
+            store = Store(config, writer, reader, started, report, db_path)
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(store._write_batches)
                 try:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import sqlite3
-import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
 
+from towerd.daemon.clock import DaemonClock
 from towerd.protocol.errors import Conflict, Internal, StorageFull, TowerdError
 from towerd.protocol.framing import DEFAULT_MAX_FRAME
 
@@ -47,8 +47,22 @@ class Refused:
     error: TowerdError
 
 
+_clock = DaemonClock.at_wall_clock()  # until a store is opened and resumes its own
+
+
 def now_ms() -> int:
-    return time.time_ns() // 1_000_000
+    """towerd's time (daemon/clock.py): real elapsed time, whatever the wall clock does."""
+    return _clock.now_ms()
+
+
+def use_clock(clock: DaemonClock) -> None:
+    """Make ``clock`` the one every store function reads (set when a store opens)."""
+    global _clock
+    _clock = clock
+
+
+def current_clock() -> DaemonClock:
+    return _clock
 
 
 def pack(value: Any) -> bytes:

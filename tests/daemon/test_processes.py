@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 from towerd.daemon.processes import holder_of, is_alive, process_start_time
 from towerd.daemon.store.idempotency import Holder
@@ -27,3 +28,35 @@ def test_exited_and_zombie_processes_are_dead():
     child.wait()
     assert process_start_time(child.pid) is None
     assert holder_of(child.pid) is None
+
+
+OUT_OF_FDS = """
+import os, resource, sys
+from towerd.daemon.processes import Holder, LivenessUnknown, holder_of, is_alive
+me = holder_of(os.getpid())
+gone = Holder(me.pid, me.start + 1)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+hoard = []
+try:
+    while True:
+        hoard.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+try:
+    holder_of(os.getppid())
+except LivenessUnknown:
+    unknown = "raised"
+else:
+    unknown = "returned"
+print(is_alive(me), is_alive(gone), unknown)
+"""
+
+
+def test_out_of_file_descriptors_is_unknown_never_dead():
+    """With every fd in use (EMFILE), /proc cannot be read: any holder counts as alive
+    (nothing is reaped on a guess), and holder_of says it cannot tell."""
+    run = subprocess.run(
+        [sys.executable, "-c", OUT_OF_FDS], capture_output=True, text=True, timeout=30
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "True", "raised"]

@@ -72,6 +72,48 @@ async def test_newer_schema_version_is_refused_naming_both_versions_and_untouche
     assert query(short_tmp, "SELECT owner_epoch FROM daemons") == [(1,)]  # no new epoch started
 
 
+WAL_ONLY_CHANGE = """
+import os, sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("PRAGMA wal_autocheckpoint = 0")
+conn.execute(sys.argv[2])
+os._exit(0)  # no close: the change lives in the WAL only, as after a crash
+"""
+
+
+def change_in_wal_only(root: Path, statement: str) -> None:
+    """Write ``statement`` as a process that dies before any checkpoint would."""
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, "-c", WAL_ONLY_CHANGE, str(db_path(root)), statement], check=True
+    )
+
+
+@pytest.mark.parametrize(
+    "statement, words",
+    [
+        (f"PRAGMA user_version = {schema.SCHEMA_VERSION + 1}", "is newer"),
+        ("PRAGMA application_id = 7", "not a towerd database"),
+        ("CREATE TABLE intruder (x)", "unexpected table intruder"),
+    ],
+)
+async def test_a_refusal_whose_cause_is_in_the_wal_leaves_db_and_wal_unchanged(
+    short_tmp: Path, statement: str, words: str
+) -> None:
+    """A newer, foreign or misshapen database whose change lives only in its WAL is
+    refused, and both files stay byte for byte as they were: the checks run on a
+    read-only connection, which never checkpoints the WAL into the database."""
+    await populated(short_tmp, rows=1)
+    change_in_wal_only(short_tmp, statement)
+    wal = db_path(short_tmp).with_name("towerd.db-wal")
+    assert wal.stat().st_size > 0
+    before = sha256(db_path(short_tmp)), sha256(wal)
+    assert words in str(await refused(short_tmp))
+    assert (sha256(db_path(short_tmp)), sha256(wal)) == before
+
+
 async def test_sqlite_file_with_foreign_tables_is_refused(short_tmp: Path) -> None:
     """Someone else's SQLite database (no towerd
     application_id) is refused, not adopted."""
