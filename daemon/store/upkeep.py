@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
+import shutil
 import sqlite3
+import stat
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,52 +68,126 @@ def checkpoint(db_path: Path, min_wal_bytes: int) -> tuple[int, int] | None:
     return before, _size(wal_path(db_path))
 
 
+BACKUP_DIR_PREFIX = ".towerd-backup-"  # the private directory a backup is made in
+
+
 def backup(db_path: Path, target: Path, overwrite: bool) -> BackupResult:
     """A consistent online copy through SQLite's backup API, checked, then renamed into
-    place (a reader never sees a half-written backup)."""
-    temporary = target.with_name(f".{target.name}.partial-{os.getpid()}")
+    place (a reader never sees a half-written backup).
+
+    The copy and SQLite's side files (``-journal``; ``-wal`` and ``-shm`` too, since the
+    copy of a WAL database is itself WAL until switched) are made in a private directory
+    (``mkdtemp``: 0700, ours) inside the target's directory: no name another user can
+    guess and pre-create there is ever opened. The directory must not let others swap
+    what we create (writable by others only if sticky), and a target that exists must be
+    a regular file of ours: a symlink is never followed.
+    """
+    private: str | None = None
     try:
-        return _backup(db_path, target, temporary, overwrite)
+        directory = _target_directory(target)
+        final = directory / target.name
+        _refuse_existing_target(final, target, overwrite)
+        private = tempfile.mkdtemp(prefix=BACKUP_DIR_PREFIX, dir=directory)
+        return _copy_into_place(db_path, Path(private) / "backup.db", final, target)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
         if exc.errno == errno.ENOSPC:
             raise StorageFull(f"no space left for the backup at {target}") from None
         raise BadArgs(f"cannot write the backup to {target}: {exc.strerror}") from None
     except sqlite3.Error as exc:
-        with contextlib.suppress(OSError):
-            temporary.unlink(missing_ok=True)
         if getattr(exc, "sqlite_errorcode", 0) & 0xFF == 13:
             raise StorageFull(f"no space left for the backup at {target}") from None
         if isinstance(exc, sqlite3.OperationalError):
             raise BadArgs(f"cannot write the backup to {target}: {exc}") from None
         raise
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
 
 
-def _backup(db_path: Path, target: Path, temporary: Path, overwrite: bool) -> BackupResult:
+def _target_directory(target: Path) -> Path:
+    """The target's directory, resolved, once it is known that only we (or root) can
+    replace what we create in it."""
     if not target.is_absolute():
         raise BadArgs(f"backup path {target} must be absolute")
     if not target.parent.is_dir():
         raise BadArgs(f"backup directory {target.parent} does not exist")
-    if target.exists() and not overwrite:
+    directory = Path(os.path.realpath(target.parent))
+    steps = [*reversed(directory.parents), directory]  # "/", ..., directory
+    for holder, entry in itertools.pairwise(steps):
+        _refuse_swappable(holder, entry, os.lstat(entry).st_uid)
+    # ...and what we create in it (the private directory, then the backup), ours:
+    _refuse_swappable(directory, directory / BACKUP_DIR_PREFIX, os.geteuid())
+    return directory
+
+
+def _refuse_swappable(holder: Path, entry: Path, entry_uid: int) -> None:
+    """Refuse ``holder`` if a user other than us or root could rename ``entry`` (owned by
+    ``entry_uid``) out of it or put something else in its place: they own ``holder``, or
+    may write in it and it is not sticky, or it is sticky and ``entry`` is theirs."""
+    trusted = (0, os.geteuid())
+    info = os.lstat(holder)
+    fix = "back up into a directory only you (or root) can write, e.g. under your home"
+    if info.st_uid not in trusted:
+        raise BadArgs(
+            f"backup refused: {holder} belongs to uid {info.st_uid}, who could swap the "
+            f"backup for a file of theirs; {fix}"
+        )
+    if not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return
+    if not info.st_mode & stat.S_ISVTX:
+        raise BadArgs(
+            f"backup refused: {holder} is writable by other users and not sticky, so they "
+            f"could swap or read the backup; {fix}, or `chmod go-w {holder}`"
+        )
+    if entry_uid not in trusted:
+        raise BadArgs(
+            f"backup refused: {entry} belongs to uid {entry_uid} in the shared directory "
+            f"{holder}, who could swap it; {fix}"
+        )
+
+
+def _refuse_existing_target(final: Path, target: Path, overwrite: bool) -> None:
+    """Only a regular file of ours is ever replaced, and only with ``overwrite``."""
+    try:
+        info = os.lstat(final)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(info.st_mode):
+        raise BadArgs(
+            f"{target} is a symbolic link: a backup never follows one; "
+            "remove it or choose another name"
+        )
+    if not stat.S_ISREG(info.st_mode):
+        raise BadArgs(f"{target} exists and is not a regular file; choose another name")
+    if info.st_uid != os.geteuid():
+        raise BadArgs(
+            f"{target} belongs to uid {info.st_uid}, not to towerd's uid {os.geteuid()}: "
+            "it is not replaced; remove it or choose another name"
+        )
+    if not overwrite:
         raise Conflict(f"{target} exists; pass overwrite to replace it", {"path": str(target)})
+
+
+def _copy_into_place(db_path: Path, copy_path: Path, final: Path, target: Path) -> BackupResult:
+    """Copy into ``copy_path`` (created exclusively, 0600), check it, make it one
+    self-contained file, fsync it, rename it to ``final`` and fsync the directory."""
     started = time.monotonic()
+    os.close(os.open(copy_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     with _connection(db_path, busy_timeout_ms=5000) as source:
-        copy = sqlite3.connect(temporary, isolation_level=None)
+        copy = sqlite3.connect(copy_path, isolation_level=None)
         try:
             source.backup(copy)  # one step: one read snapshot, writers keep going
+            copy.execute("PRAGMA journal_mode = DELETE")  # no -wal/-shm beside it
             integrity = [row[0] for row in copy.execute("PRAGMA integrity_check")]
             pages = copy.execute("PRAGMA page_count").fetchone()[0]
-            copy.execute("PRAGMA journal_mode = DELETE")  # one self-contained file
         finally:
             copy.close()
-    os.chmod(temporary, 0o600)
-    _fsync(temporary)
-    os.replace(temporary, target)
-    _fsync(target.parent)
+    _fsync(copy_path)
+    os.replace(copy_path, final)
+    _fsync(final.parent)
     return BackupResult(
         path=str(target),
-        bytes=target.stat().st_size,
+        bytes=final.stat().st_size,
         pages=pages,
         integrity=integrity,
         duration_ms=int((time.monotonic() - started) * 1000),
