@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from towerd.daemon.clock import StepDetector
-from towerd.daemon.processes import holder_of
+from towerd.daemon.processes import holder_of, may_hold_for
 from towerd.daemon.read_cache import ReadCache
 from towerd.daemon.store import (
     Store,
@@ -261,6 +261,14 @@ class Handlers:
             holder = holder_of(params.holder_pid)
             if holder is None:
                 raise BadArgs(f"holder_pid {params.holder_pid} is not a running process")
+            if not may_hold_for(caller.pid, params.holder_pid):
+                raise BadArgs(
+                    f"holder_pid {params.holder_pid} is not your process (pid {caller.pid}), "
+                    "an ancestor of it, or a descendant of it or of its parent, of your "
+                    "uid: an unrelated holder would keep the key in progress for as long "
+                    "as it runs; pass your shell's pid ($$), a child's ($!), or none",
+                    {"holder_pid": params.holder_pid, "caller_pid": caller.pid},
+                )
         claimed = self.store.write(idempotency.claim, caller.principal, params, holder)
         if holder is not None and holder == caller.holder:
             claimed.add_done_callback(functools.partial(_note_own_claim, caller))

@@ -7,6 +7,7 @@ a key. A zombie is dead for our purposes: it will never complete anything.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from dataclasses import dataclass
@@ -78,3 +79,43 @@ def is_alive(holder: Holder) -> bool:
         return process_start_time(holder.pid) == holder.start
     except LivenessUnknown:
         return True
+
+
+MAX_LINEAGE = 4096  # ancestors walked at most (pid chains are short; this bounds a loop)
+
+
+def parent_pid(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
+def ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, its parent's parent, ... up to (not including) pid 1."""
+    chain: list[int] = []
+    current = parent_pid(pid)
+    while current is not None and current > 1 and len(chain) < MAX_LINEAGE:
+        chain.append(current)
+        current = parent_pid(current)
+    return chain
+
+
+def may_hold_for(caller_pid: int, pid: int) -> bool:
+    """Whether ``pid`` may hold a key that ``caller_pid`` claims: the caller itself, one
+    of its ancestors, or a descendant of the caller or of the caller's parent (a shell
+    passing ``$!`` to towerctl), of this daemon's uid, and never pid 1. A key held by an
+    unrelated or long-lived process (init, another user's daemon) would never be settled
+    by its holder's death: it would stay in progress for good."""
+    if pid == caller_pid:
+        return True
+    if pid <= 1:
+        return False
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.geteuid():
+            return False
+    except FileNotFoundError:
+        return False
+    lineage = ancestors(caller_pid)
+    if pid in lineage:
+        return True
+    roots = {caller_pid, *lineage[:1]}  # the caller, and its parent unless that is pid 1
+    return not roots.isdisjoint(ancestors(pid))

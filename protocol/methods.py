@@ -869,6 +869,7 @@ class KvListResult(Struct):
 EventKind = Annotated[str, Meta(min_length=1, max_length=64)]
 AgentSessionId = Annotated[str, Meta(min_length=1, max_length=256)]
 DEFAULT_EVENT_PAGE, MAX_EVENT_PAGE = 50, 200
+MAX_SCOPE_IDS = 1000  # ids (or kinds) in one list of event.list / session.activity
 DEFAULT_EVENT_MAX_PAYLOAD = 64 * 1024
 Attention = Literal["running", "needs_you", "done", "exited"]
 
@@ -902,9 +903,9 @@ class EventListParams(Struct):
     """An absent id list does not filter; an empty one matches nothing; the two combine
     with OR."""
 
-    session_ids: list[SessionId] | None = None
-    agent_session_ids: list[AgentSessionId] | None = None
-    kinds: list[EventKind] | None = None
+    session_ids: Annotated[list[SessionId], Meta(max_length=MAX_SCOPE_IDS)] | None = None
+    agent_session_ids: Annotated[list[AgentSessionId], Meta(max_length=MAX_SCOPE_IDS)] | None = None
+    kinds: Annotated[list[EventKind], Meta(max_length=MAX_SCOPE_IDS)] | None = None
     before: Cursor | None = None
     limit: Annotated[int, Meta(ge=1, le=MAX_EVENT_PAGE)] = DEFAULT_EVENT_PAGE
 
@@ -915,7 +916,8 @@ class EventListResult(Struct):
 
 
 class SessionActivityParams(Struct):
-    session_ids: list[SessionId] | None = None  # default: all of this daemon's sessions
+    # default: all of this daemon's sessions
+    session_ids: Annotated[list[SessionId], Meta(max_length=MAX_SCOPE_IDS)] | None = None
 
 
 class SessionActivity(Struct):

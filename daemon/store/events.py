@@ -28,6 +28,8 @@ from towerd.protocol.methods import (
 
 HEARTBEAT = "heartbeat"
 _ATTENTION_BY_KIND = {"Notification": "needs_you", "Stop": "done", "SessionEnd": "exited"}
+# Hook events that end a session, or start it again, in its fleet row too.
+_EXITED_BY_KIND = {"SessionEnd": True, "SessionStart": False}
 
 
 def attention(exited: bool, last_kind: str | None) -> str:
@@ -80,11 +82,16 @@ def record(
     ).lastrowid
     assert event_id is not None
     note(tx, "events", TrailEvent(event_id, session_id, agent_session_id, kind, tx.now, payload))
+    if session_id is not None and kind in _EXITED_BY_KIND:
+        fleet.set_exited(tx, session_id, _EXITED_BY_KIND[kind])
     return EventRecordResult(event_id=event_id, at=tx.now, session_id=session_id)
 
 
 def _in(column: str, values: list[str]) -> tuple[str, list[str]]:
-    return f"{column} IN ({', '.join('?' * len(values))})", values
+    """``column IN (?, ...)`` over the distinct values (the lists are bounded by
+    MAX_SCOPE_IDS at the boundary, so SQLite's variable limit is never reached)."""
+    distinct = list(dict.fromkeys(values))
+    return f"{column} IN ({', '.join('?' * len(distinct))})", distinct
 
 
 def list_events(

@@ -258,6 +258,20 @@ def update_session(tx: Tx, params: SessionUpdateParams) -> SessionRow:
     return get_session(tx, session_id)
 
 
+def set_exited(tx: Tx, session_id: str, exited: bool) -> None:
+    """The agent reported that its session ended (SessionEnd) or started again
+    (SessionStart, after a resume): the row says so, for the fleet list, ``top`` and the
+    restore plan. Nothing is written when the row already says it."""
+    row = tx.conn.execute(
+        "SELECT exited FROM sessions WHERE session_id = ? AND daemon_id = ?",
+        (session_id, tx.daemon_id),
+    ).fetchone()
+    if row is None or bool(row[0]) == exited:
+        return
+    require_writable(tx, [session_id])
+    _update_row(tx, session_id, {"exited": exited})
+
+
 def remove_session(tx: Tx, session_id: str) -> SessionRemoveResult:
     """Delete one row; its sub-sessions become top-level."""
     require_writable(tx, [session_id])

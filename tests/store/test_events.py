@@ -545,6 +545,28 @@ async def test_restore_plan_newest_activity_first_parents_before_children(
         assert {e.session_id for e in entries}.isdisjoint({ex, c_exited})
 
 
+async def test_session_end_marks_the_fleet_row_exited_and_session_start_undoes_it(
+    short_tmp: Path,
+) -> None:
+    """SessionEnd ends the session in its fleet row, not only in its attention, so the
+    restore plan leaves it out; a SessionStart (the agent resumed it) brings it back.
+    Fleet watchers hear the row change; a repeated SessionEnd writes nothing more."""
+    async with opened(short_tmp) as store:
+        ended = await register(store, agent_session_id="as-ended", name="ended")
+        kept = await register(store, name="kept")
+        notes = watching(store)
+        await record(store, "SessionEnd", agent_session_id="as-ended")
+        assert (await store.read(fleet.get_session, ended)).exited
+        assert [e.session_id for e in await plan(store)] == [kept]
+        assert [n for n in notes if n[0] == "fleet"][-1][1]["session"].exited
+        updated = (await store.read(fleet.get_session, ended)).updated_at
+        await record(store, "SessionEnd", ended, now=now_ms() + 5000)
+        assert (await store.read(fleet.get_session, ended)).updated_at == updated
+        await record(store, "SessionStart", ended)
+        assert not (await store.read(fleet.get_session, ended)).exited
+        assert ended in [e.session_id for e in await plan(store)]
+
+
 async def test_restore_plan_orders_sessions_without_events_by_attach_then_update(
     short_tmp: Path,
 ) -> None:
