@@ -141,6 +141,16 @@ class TowerdAPI:
             {"operation": operation, "key": key, "outcome": outcome, "result": result},
         )
 
+    def idem_reopen(
+        self, operation: str, key: str, result: Any = None, *, reason: str | None = None
+    ) -> Any:
+        """Forget a completed key whose stored result is ``result``, so the next claim
+        runs the step again (retrying a failed run); written to the operator log."""
+        return self.call(
+            "idem.reopen",
+            _given(operation=operation, key=key, result=result, reason=reason),
+        )
+
     # --- leases ----------------------------------------------------------------------------
 
     def lease_acquire(self, resource: str, *, ttl_ms: int | None = None) -> Any:

@@ -120,6 +120,7 @@ class Handlers:
             "idem.get": self.idem_get,
             "idem.list": self.idem_list,
             "idem.resolve": self.idem_resolve,
+            "idem.reopen": self.idem_reopen,
             "lease.acquire": self.lease_acquire,
             "lease.renew": self.lease_renew,
             "lease.release": self.lease_release,
@@ -316,6 +317,16 @@ class Handlers:
             params.key,
             params.outcome,
             params.result,
+        )
+
+    def idem_reopen(self, caller: Caller, params: m.IdemReopenParams) -> Future[m.IdemReopenResult]:
+        return self.store.write(
+            idempotency.reopen,
+            caller.principal,
+            params.operation,
+            params.key,
+            params.result,
+            params.reason,
         )
 
     # --- leases ------------------------------------------------------------------------------

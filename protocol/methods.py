@@ -416,6 +416,27 @@ class IdemResolveResult(Struct):
     record: IdemRecord | None
 
 
+class IdemReopenParams(IdemKeyParams):
+    """Forget a completed key's outcome on purpose, so the next claim runs its effect
+    again: how an operator retries a step that completed with a failure (a `towerctl
+    run` whose command exited 1). ``result`` must be the stored result: the operator
+    reopens the outcome they looked at, not one that changed since."""
+
+    result: Any = None
+    reason: Annotated[str, Meta(max_length=1000)] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_shallow("result", self.result)
+
+
+class IdemReopenResult(Struct):
+    operation: str
+    key: str
+    reopened: bool
+    previous: IdemRecord  # the record as it was before it was forgotten
+
+
 # --- leases ------------------------------------------------------------------------------
 
 LeaseTtl = Annotated[int, Meta(ge=5_000, le=600_000)]
@@ -1109,6 +1130,9 @@ METHODS: dict[str, MethodSpec] = {
     "idem.list": MethodSpec(IdemListParams, IdemListResult, False, "keys, paged"),
     "idem.resolve": MethodSpec(
         IdemResolveParams, IdemResolveResult, True, "operator recovery of an unknown outcome"
+    ),
+    "idem.reopen": MethodSpec(
+        IdemReopenParams, IdemReopenResult, True, "forget a completed outcome to run it again"
     ),
     "lease.acquire": MethodSpec(
         LeaseAcquireParams, LeaseAcquireResult, True, "take or extend a fenced lease"

@@ -40,6 +40,7 @@ from towerd.protocol.methods import (
     IdemListResult,
     IdemRecord,
     IdemReleaseResult,
+    IdemReopenResult,
     IdemResolveResult,
     KeyCounts,
 )
@@ -367,6 +368,42 @@ def resolve(
         },
     )
     return IdemResolveResult(operation=operation, key=key, outcome=outcome, record=record)
+
+
+def reopen(
+    tx: Tx, principal: str, operation: str, key: str, result: Any, reason: str | None
+) -> IdemReopenResult:
+    """The operator's decision to run a completed step again (it completed with a
+    failure worth retrying): the key is forgotten, and the operator log says who did it,
+    why, and what the outcome was. Only a completed key whose result is ``result``."""
+    row = _require(tx, principal, operation, key)
+    record = row.record
+    if record.state != COMPLETED:
+        advice = (
+            "settle it with idem.resolve (--outcome abandoned runs it again)"
+            if record.state == OUTCOME_UNKNOWN
+            else "wait for its claimant to finish"
+        )
+        raise Conflict(
+            f"key {key!r} of {operation!r} is {record.state}; only a completed key is "
+            f"reopened: {advice}",
+            {"operation": operation, "key": key, "state": record.state},
+        )
+    if pack_canonical(record.result) != pack_canonical(result):
+        raise Conflict(
+            f"key {key!r} of {operation!r} holds another result than the one given; read "
+            "it again (idem.get) and reopen the outcome you mean",
+            {"operation": operation, "key": key, "result": record.result},
+        )
+    _delete(tx, principal, operation, key)
+    log_operator_action(
+        tx,
+        principal,
+        "idem.reopen",
+        {"operation": operation, "key": key, "effect_ref": record.effect_ref,
+         "result": record.result, "reason": reason},
+    )  # fmt: skip
+    return IdemReopenResult(operation=operation, key=key, reopened=True, previous=record)
 
 
 def log_operator_action(tx: Tx, principal: str, action: str, detail: dict[str, Any]) -> None:

@@ -124,6 +124,7 @@ def test_method_table_is_closed_and_consistent() -> None:
         "idem.release",
         "idem.mark_unknown",
         "idem.resolve",
+        "idem.reopen",
         "lease.acquire",
         "lease.renew",
         "lease.release",

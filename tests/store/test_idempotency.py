@@ -676,3 +676,53 @@ async def test_register_key_completed_by_hand_with_another_result_is_conflict(
         with pytest.raises(Conflict, match="not a registration"):
             await store.write(fleet.register_session, "p", params, None)
         assert await rows(store) == []
+
+
+# --- reopen: retrying a step that completed with a failure
+# ---------------------------------------------------------------------------------
+
+
+async def test_reopen_forgets_a_completed_outcome_once_and_logs_it(short_tmp: Path) -> None:
+    """A completed key whose result the operator names is forgotten (the next claim runs
+    the step again) and the operator log records who, why and the old outcome; a second
+    reopen of the same outcome finds nothing to reopen."""
+    failed = {"exit_status": 1, "output_sha256": "ab"}
+    async with opened(short_tmp) as store:
+        await claim(store, "push")
+        await complete(store, "push", failed)
+        reopened = await store.write(idem.reopen, ME, OP, "push", failed, "remote was down")
+        assert reopened.reopened and reopened.previous.result == failed
+        assert (await claim(store, "push")).state == "claimed"
+        with pytest.raises(Conflict):  # in progress again: nothing to reopen
+            await store.write(idem.reopen, ME, OP, "push", failed, None)
+    (detail,) = [
+        json.loads(d)
+        for (action, d) in query(short_tmp, "SELECT action, detail FROM operator_log")
+        if action == "idem.reopen"
+    ]
+    assert detail["result"] == failed and detail["reason"] == "remote was down"
+
+
+@pytest.mark.parametrize("state", ["in_progress", "outcome_unknown"])
+async def test_reopen_refuses_an_unsettled_key(short_tmp: Path, state: str) -> None:
+    async with opened(short_tmp) as store:
+        await claim(store, "k")
+        if state == "outcome_unknown":
+            await mark_unknown(store, "k")
+        with pytest.raises(Conflict) as refused:
+            await store.write(idem.reopen, ME, OP, "k", None, None)
+        assert refused.value.data["state"] == state
+        assert (await get(store, "k")).state == state
+
+
+async def test_reopen_refuses_an_outcome_other_than_the_one_named(short_tmp: Path) -> None:
+    """The operator reopens the outcome they looked at: a different stored result (it
+    changed since, or they named another run) is refused and kept."""
+    async with opened(short_tmp) as store:
+        await claim(store, "k")
+        await complete(store, "k", {"exit_status": 0})
+        with pytest.raises(Conflict):
+            await store.write(idem.reopen, ME, OP, "k", {"exit_status": 1}, None)
+        assert (await get(store, "k")).result == {"exit_status": 0}
+        with pytest.raises(IdempotencyKeyUnknown):
+            await store.write(idem.reopen, ME, OP, "nothing", None, None)
