@@ -28,7 +28,14 @@ import anyio
 
 from towerd.client.api import TowerdAPI
 from towerd.client.idempotent import RunEffect, idempotent_steps, retry_delay
-from towerd.client.sync import DEFAULT_TIMEOUT, default_client_name, hello_params
+from towerd.client.sync import (
+    DEFAULT_TIMEOUT,
+    default_client_name,
+    hello_params,
+    request_limit,
+    response_limit,
+)
+from towerd.client.trust import check_peer, check_socket_dir
 from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol.envelope import FRAME_ERROR_ID, decode_frame, encode_request
 from towerd.protocol.errors import Conflict, TowerdError, Unavailable
@@ -115,24 +122,35 @@ class AsyncClient(TowerdAPI):
     ) -> AsyncIterator[AsyncClient]:
         path = Path(socket_path or default_socket_path())
         client = cls(path, timeout)
+        deadline = None if timeout is None else client._loop.time() + timeout
+        await client._connect_verified(deadline)
         try:
-            await client._loop.create_unix_connection(lambda: client._link, str(path))
-        except OSError as exc:
-            raise Unavailable(
-                f"cannot connect to towerd at {path}: {exc.strerror or exc}; "
-                "is the daemon running?",
-                {"socket": str(path), "reason": "connect"},
-            ) from None
-        try:
-            client.hello = await client.call(
-                "hello", hello_params(client_name or default_client_name(), principal)
-            )
-            client._decoder.max_frame = (
-                max(DEFAULT_MAX_FRAME, int(client.hello["max_frame"])) + RESPONSE_SLACK
-            )
+            params = hello_params(client_name or default_client_name(), principal)
+            client.hello = await client._call("hello", params, _left(client._loop, deadline))
+            client._decoder.max_frame = response_limit(client.hello)
             yield client
         finally:
             client._close()
+
+    async def _connect_verified(self, deadline: float | None) -> None:
+        """Connect, by ``deadline``, to this user's own daemon; nothing is sent yet."""
+        path = str(self.socket_path)
+        try:
+            check_socket_dir(path)
+            async with asyncio.timeout_at(deadline):
+                await self._loop.create_unix_connection(lambda: self._link, path)
+            assert self._link.transport is not None
+            check_peer(self._link.transport.get_extra_info("socket"), path)
+        except OSError as exc:  # TimeoutError included
+            self._close()
+            why = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or exc
+            raise Unavailable(
+                f"cannot connect to towerd at {path}: {why}; is the daemon running?",
+                {"socket": path, "reason": "connect"},
+            ) from None
+        except BaseException:
+            self._close()
+            raise
 
     def _close(self) -> None:
         """Fail whatever is pending and drop the socket at once (unsent bytes included:
@@ -146,16 +164,21 @@ class AsyncClient(TowerdAPI):
         return Unavailable(why, {"socket": str(self.socket_path), "reason": "closed"})
 
     async def call(self, method: str, params: Mapping[str, Any] | None = None) -> Any:
+        """Send one request and wait for its answer, all within ``timeout``."""
+        return await self._call(method, params, self.timeout)
+
+    async def _call(
+        self, method: str, params: Mapping[str, Any] | None, timeout: float | None
+    ) -> Any:
         if self._lost is not None:
             raise self._lost
         self._next_id += 1
         request_id = self._next_id
-        max_request = int(self.hello.get("max_frame", DEFAULT_MAX_FRAME))
-        frame = encode_request(request_id, method, dict(params or {}), max_request)
+        frame = encode_request(request_id, method, dict(params or {}), request_limit(self.hello))
         answer = self._pending[request_id] = self._loop.create_future()
         timer = None
-        if self.timeout is not None:  # the whole call, a wait for a full socket included
-            timer = self._loop.call_later(self.timeout, _time_out, answer)
+        if timeout is not None:  # the whole call, a wait for a full socket included
+            timer = self._loop.call_later(timeout, _time_out, answer)
         try:
             assert self._link.transport is not None
             self._link.transport.write(frame)
@@ -170,7 +193,7 @@ class AsyncClient(TowerdAPI):
             self._pending.pop(request_id, None)
         if error is _TIMED_OUT:
             raise Unavailable(
-                f"no answer from towerd within {self.timeout}s to {method}; the request may or "
+                f"no answer from towerd within {timeout}s to {method}; the request may or "
                 "may not have been applied: retry it with the same idempotency key",
                 {"socket": str(self.socket_path), "reason": "timeout"},
             )
@@ -315,6 +338,11 @@ class _TimedOut(TowerdError):
 
 
 _TIMED_OUT = _TimedOut("timed out")
+
+
+def _left(loop: asyncio.AbstractEventLoop, deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` on ``loop``'s clock (at least 0: a timer fires)."""
+    return None if deadline is None else max(0.0, deadline - loop.time())
 
 
 def _time_out(answer: asyncio.Future[Answer]) -> None:

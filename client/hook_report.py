@@ -2,8 +2,10 @@
 
 Every agent hook runs this, and agents feed a hook's output to the model, so it
 prints nothing on stdout or stderr and exits 0 whatever happens: no daemon, a
-stale socket, a hung daemon, garbage on stdin, an event of no known session.
-The whole run, stdin included, has a deadline of ``DEADLINE`` seconds.
+stale socket, a hung daemon, garbage on stdin, an event of no known session, a
+server that is not this user's own towerd (it is sent nothing, not even hello).
+The whole run, stdin, connect and hello included, has a deadline of ``DEADLINE``
+seconds, however slowly a server answers.
 
 The event's kind is the hook's ``hook_event_name`` verbatim. It is filed under
 the fleet session in ``TOWERD_SESSION_ID`` (which the wrapper sets) together
@@ -94,9 +96,10 @@ def _report(socket_path: str | None, deadline: float) -> None:
     from towerd.protocol.errors import BadArgs, NotFound
 
     payload = compact(hook, lite.packb)
-    timeout = _left(deadline)
+    # Connect and hello within what is left; nothing is sent unless the server is this
+    # user's own (Unauthorized, swallowed like any failure: the payload stays here).
     client = Client(
-        socket_path, timeout=timeout, client_name=f"hook-report/{os.getpid()}", codec="lite"
+        socket_path, timeout=_left(deadline), client_name=f"hook-report/{os.getpid()}", codec="lite"
     )
     try:
         tries = [(session_id, agent_session_id)] if session_id is not None else []
@@ -124,8 +127,7 @@ def _report(socket_path: str | None, deadline: float) -> None:
 def _record(
     client: Any, deadline: float, kind: str, sid: str | None, aid: str | None, payload: Any
 ) -> None:
-    sock = client._require_socket()
-    sock.settimeout(_left(deadline))
+    client.timeout = _left(deadline)  # bounds the whole call, however slow the answer
     client.event_record(kind, session_id=sid, agent_session_id=aid, payload=payload)
 
 

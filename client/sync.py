@@ -6,7 +6,10 @@ It imports the standard library and the stdlib-only parts of
 each); tests/client/test_import_cost.py keeps it that way. Any failure to
 reach or hear from the daemon raises
 ``Unavailable``; after a timeout the connection is closed, since a late reply
-would otherwise answer the next request.
+would otherwise answer the next request. ``timeout`` bounds each whole call (the
+send and every receive of its answers) and connect plus hello together, so a
+peer that trickles bytes cannot stretch a call. Before anything is sent, the
+server is verified to be this user's own (:mod:`towerd.client.trust`).
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 
 from towerd.client.api import TowerdAPI
+from towerd.client.trust import check_peer, check_socket_dir
 from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder, lite
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.framing import FRAME_ERROR_ID
@@ -29,6 +34,38 @@ if TYPE_CHECKING:
     from towerd.client.effect import EffectContext
 
 DEFAULT_TIMEOUT = 10.0
+# The largest response frame a client accepts, whatever hello.max_frame announces
+# (docs/protocol.md §2 Limits): a peer cannot make a client buffer more than this.
+MAX_RESPONSE_FRAME = 64 * 1024 * 1024
+
+
+def response_limit(hello: Mapping[str, Any]) -> int:
+    """The largest answer frame accepted on a connection: the announced ``max_frame``
+    plus ``RESPONSE_SLACK``, never less than the default's, never over the ceiling."""
+    return min(request_limit(hello) + RESPONSE_SLACK, MAX_RESPONSE_FRAME)
+
+
+def request_limit(hello: Mapping[str, Any]) -> int:
+    """The largest request payload to send: what hello announced (the default if it
+    announced nothing usable), capped so that its echo still fits the ceiling."""
+    announced = hello.get("max_frame")
+    if type(announced) is not int:
+        announced = DEFAULT_MAX_FRAME
+    return min(max(DEFAULT_MAX_FRAME, announced), MAX_RESPONSE_FRAME - RESPONSE_SLACK)
+
+
+def deadline_after(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: no deadline); ``TimeoutError`` once it passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
 
 
 def hello_params(client_name: str, principal: str | None) -> dict[str, Any]:
@@ -90,35 +127,53 @@ class Client(TowerdAPI):
     # --- connection ------------------------------------------------------------------------
 
     def connect(self) -> None:
-        """(Re)connect and say hello; raises ``Unavailable`` if no daemon answers."""
+        """(Re)connect and say hello, both within ``timeout``; raises ``Unavailable`` if
+        no daemon answers, ``Unauthorized`` if the server is not this user's own."""
         self.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(self.timeout)
+        deadline = deadline_after(self.timeout)
+        self._sock = self._open_verified(deadline)
+        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME + RESPONSE_SLACK)
+        self._frames = []
+        self.hello = {}
         try:
+            (hello,) = self._exchange(
+                [("hello", hello_params(self.client_name, self.principal))], deadline
+            )
+            if isinstance(hello, TowerdError):
+                raise hello
+        except TowerdError:
+            self.close()
+            raise
+        self.hello = hello
+        self._decoder.max_frame = response_limit(hello)
+
+    def _open_verified(self, deadline: float | None) -> socket.socket:
+        """A socket connected to this user's own daemon, nothing sent yet."""
+        sock = None
+        try:
+            check_socket_dir(self.socket_path)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.settimeout(time_left(deadline))
             sock.connect(self.socket_path)
+            check_peer(sock, self.socket_path)
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise Unavailable(
                 f"cannot connect to towerd at {self.socket_path}: {exc.strerror or exc}; "
                 "is the daemon running? (start it with `towerd`)",
                 {"socket": str(self.socket_path), "reason": "connect"},
             ) from None
-        self._sock = sock
-        self._decoder = FrameDecoder(DEFAULT_MAX_FRAME + RESPONSE_SLACK)
-        self._frames = []
-        try:
-            self.hello = self.call("hello", hello_params(self.client_name, self.principal))
         except TowerdError:
-            self.close()
+            if sock is not None:
+                sock.close()
             raise
-        self._decoder.max_frame = (
-            max(DEFAULT_MAX_FRAME, int(self.hello.get("max_frame", 0))) + RESPONSE_SLACK
-        )
+        return sock
 
     @property
     def max_request(self) -> int:
         """Largest request payload the daemon accepts (learnt from hello)."""
-        return int(self.hello.get("max_frame", DEFAULT_MAX_FRAME))
+        return request_limit(self.hello)
 
     def close(self) -> None:
         if self._sock is not None:
@@ -145,9 +200,15 @@ class Client(TowerdAPI):
     ) -> list[Any | TowerdError]:
         """Pipeline several requests in one write; outcomes in the same order.
 
-        A daemon error is returned in its slot (not raised); losing the daemon
-        raises ``Unavailable`` for the whole batch.
+        A daemon error is returned in its slot (not raised); losing the daemon, or
+        ``timeout`` passing before every answer is in, raises ``Unavailable`` for the
+        whole batch.
         """
+        return self._exchange(calls, deadline_after(self.timeout))
+
+    def _exchange(
+        self, calls: Sequence[tuple[str, Mapping[str, Any] | None]], deadline: float | None
+    ) -> list[Any | TowerdError]:
         sock = self._require_socket()
         ids = []
         frames = []
@@ -160,10 +221,12 @@ class Client(TowerdAPI):
                 )
             )
         try:
+            sock.settimeout(time_left(deadline))  # bounds the whole sendall
             sock.sendall(b"".join(frames))
             answers: dict[int, Any] = {}
             while len(answers) < len(ids):
-                request_id, result, error = self._codec.decode_response(self._read_frame(sock))
+                frame = self._read_frame(sock, deadline)
+                request_id, result, error = self._codec.decode_response(frame)
                 if request_id == FRAME_ERROR_ID and error is not None:
                     raise error  # about the connection itself; the daemon closes it
                 answers[request_id] = error if error is not None else result
@@ -180,8 +243,10 @@ class Client(TowerdAPI):
             ) from None
         return [answers.get(request_id) for request_id in ids]
 
-    def _read_frame(self, sock: socket.socket) -> bytes:
+    def _read_frame(self, sock: socket.socket, deadline: float | None) -> bytes:
+        """The next whole frame, by ``deadline`` however slowly its bytes come."""
         while not self._frames:
+            sock.settimeout(time_left(deadline))
             data = sock.recv(65536)
             if not data:
                 raise Unavailable(
@@ -190,7 +255,11 @@ class Client(TowerdAPI):
                 )
             self._frames.extend(self._decoder.feed(data))
             if not self._frames and self._decoder.error is not None:
-                raise Unavailable(f"towerd sent an oversized frame: {self._decoder.error}")
+                raise Unavailable(
+                    f"towerd at {self.socket_path} sent an oversized frame: "
+                    f"{self._decoder.error}; the connection was closed",
+                    {"socket": str(self.socket_path), "reason": "connection"},
+                )
         return self._frames.pop(0)
 
     def _require_socket(self) -> socket.socket:
@@ -253,10 +322,11 @@ class Client(TowerdAPI):
 
     def _pushes(self, idle_timeout: float | None) -> Iterator[dict[str, Any]]:
         sock = self._require_socket()
-        sock.settimeout(idle_timeout)
         while True:
             try:
-                value = self._codec.decode_frame(self._read_frame(sock))
+                value = self._codec.decode_frame(
+                    self._read_frame(sock, deadline_after(idle_timeout))
+                )
             except OSError as exc:
                 self.close()
                 reason = "timeout" if isinstance(exc, TimeoutError) else "connection"
