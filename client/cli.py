@@ -1,9 +1,16 @@
 """``towerctl``: drive towerd from a shell or a hook.
 
-Global options come before the subcommand: ``--socket``, ``--json``,
-``--principal``, ``--timeout``. With ``--json`` the result is printed as JSON
-on stdout, and an error as ``{"error": {"code", "message", "data"}}`` on
-stdout; without it, readable text on stdout and errors on stderr.
+Global options go before or after the command: ``--socket``, ``--json``,
+``--principal``, ``--timeout`` (not after the ``--`` of ``run``, ``effect run`` and
+``lock worktree``: what follows is the command's). With ``--json`` the result is
+printed as JSON on stdout, and an error, a usage error included (code ``usage``), as
+``{"error": {"code", "message", "data"}}`` on stdout; without it, readable text on
+stdout and errors on stderr.
+
+Text for a terminal goes through :func:`printable`: a stored name, cwd or message may
+hold escape sequences, and printing them raw would let whoever wrote them move the
+cursor, retitle the window or break a table. JSON output is exact (``json.dumps``
+escapes every control character).
 
 Exit status: 0 success, 1 the daemon answered an error, 2 bad usage,
 3 the daemon could not be reached. ``run``, ``effect run`` and ``lock worktree``
@@ -23,7 +30,9 @@ import os
 import sys
 import time
 
+from towerd.client.entry import hook_report_socket, scan
 from towerd.client.sync import Client
+from towerd.protocol import VERSION
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.fields import IDEM_STATES, SESSION_FIELDS
 
@@ -49,7 +58,7 @@ AUDIT_PAGE = 500  # the most events one audit.list call returns
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-    from typing import Any
+    from typing import Any, NoReturn
 
     Command = Callable[[Client, argparse.Namespace], Any]
 
@@ -63,6 +72,27 @@ def _json() -> Any:
 
 class UsageError(Exception):
     """Bad command-line input that argparse cannot see (invalid JSON, unreadable file)."""
+
+
+class BadCommandLine(Exception):
+    """argparse refused the command line: ``parser`` (the command's) says how to call it."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class LocalFailure(Exception):
+    """An offline command failed on this machine (no daemon involved): reported like a
+    daemon error, ``code``, ``message``, ``data``; exit 1."""
+
+    def __init__(self, code: str, message: str, data: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data or {}
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "data": self.data}
 
 
 class Unhealthy(Exception):
@@ -151,15 +181,16 @@ def cmd_fleet_list(client: Client, args: argparse.Namespace) -> Any:
 
 
 def cmd_fleet_import_legacy(client: Client, args: argparse.Namespace) -> Any:
+    path = args.legacy_file
     try:
-        with open(args.path, encoding="utf-8") as legacy:
+        with open(path, encoding="utf-8") as legacy:
             entries = _json().loads(legacy.read())
     except OSError as exc:
-        raise UsageError(f"cannot read {args.path}: {exc.strerror}") from None
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
     except ValueError as exc:
-        raise UsageError(f"{args.path} is not valid JSON: {exc}") from None
+        raise UsageError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(entries, list):
-        raise UsageError(f"{args.path} must hold a JSON array of fleet entries")
+        raise UsageError(f"{path} must hold a JSON array of fleet entries")
     return client.fleet_import_legacy(entries)
 
 
@@ -215,9 +246,12 @@ def cmd_doctor(_client: None, args: argparse.Namespace) -> Any:
 def cmd_install_systemd(_client: None, args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from towerd.client.systemd_units import install_units
+    from towerd.client.systemd_units import SystemctlFailed, install_units
 
-    return install_units(Path(args.dir) if args.dir else None, enable=args.enable)
+    try:
+        return install_units(Path(args.dir) if args.dir else None, enable=args.enable)
+    except SystemctlFailed as exc:
+        raise LocalFailure("systemctl_failed", str(exc), exc.data()) from None
 
 
 def cmd_branch_cleanup(_client: None, args: argparse.Namespace) -> Any:
@@ -350,6 +384,40 @@ def cmd_audit(client: Client, args: argparse.Namespace) -> Any:
 # --- output ------------------------------------------------------------------------------
 
 
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: each character that is not printable (C0 controls
+    such as ESC, BEL, CR, backspace, newline and tab; DEL; C1 controls; Unicode format
+    characters such as bidi overrides; lone surrogates) is shown as its Python escape,
+    ``\\x1b``, ``\\n``, ``\\u202e``: it can move no cursor and break no table, and it is
+    seen rather than silently dropped. A byte that was not UTF-8 (on the command line,
+    in a path) shows as itself, ``\\xff``."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() else _escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    if "\udc80" <= char <= "\udcff":  # how Python hands over an undecodable byte
+        return f"\\x{ord(char) - 0xDC00:02x}"
+    return ascii(char)[1:-1]
+
+
+def printable_lines(text: str) -> str:
+    """:func:`printable` for a rendered block: its own line breaks are kept."""
+    return "\n".join(printable(line) for line in text.split("\n"))
+
+
+def say(text: str, *, to_stderr: bool = False) -> None:
+    """Print text for a person: every text-mode line towerctl prints goes through here."""
+    print(printable_lines(text), file=sys.stderr if to_stderr else sys.stdout)
+
+
+def dumps_json(value: Any, **options: Any) -> str:
+    """JSON for stdout: exact, and safe for a terminal as it is (with ``ensure_ascii``,
+    json.dumps escapes every character outside printable ASCII, controls included)."""
+    return _json().dumps(value, default=_jsonable, **options)
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, bytes | bytearray):
         import base64
@@ -360,7 +428,7 @@ def _jsonable(value: Any) -> Any:
 
 def _is_time(key: str) -> bool:
     """Fields holding milliseconds since the epoch, shown as UTC times."""
-    return key.endswith("_at") or key in ("ts", "at")
+    return isinstance(key, str) and (key.endswith("_at") or key in ("ts", "at"))
 
 
 def _when(millis: Any) -> str:
@@ -370,13 +438,15 @@ def _when(millis: Any) -> str:
 
 
 def _cell(value: Any) -> str:
+    """A value as one line of a table or of ``key: value`` lines (a stored newline is
+    shown as ``\\n``, so it cannot start a row of its own)."""
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, dict | list):
-        return _json().dumps(value, default=_jsonable, sort_keys=True)
-    return str(value)
+        return dumps_json(value, sort_keys=True)
+    return printable(str(value))
 
 
 def _table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
@@ -395,12 +465,13 @@ def _table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> st
 def _pairs(mapping: dict[str, Any], indent: str = "") -> str:
     lines = []
     for key, value in mapping.items():
+        name = _cell(key)
         if isinstance(value, dict) and value:
-            lines.append(f"{indent}{key}:")
+            lines.append(f"{indent}{name}:")
             lines.append(_pairs(value, indent + "  "))
         else:
             shown = _when(value) if _is_time(key) else _cell(value)
-            lines.append(f"{indent}{key}: {shown}")
+            lines.append(f"{indent}{name}: {shown}")
     return "\n".join(lines)
 
 
@@ -492,7 +563,7 @@ def _clip(text: str, width: int = 60) -> str:
 
 
 def _value_json(value: Any) -> str:
-    return _json().dumps(value, sort_keys=True, default=_jsonable)
+    return dumps_json(value, sort_keys=True)
 
 
 def render_kv_value(result: dict[str, Any]) -> str:
@@ -629,6 +700,14 @@ def render_doctor(result: dict[str, Any]) -> str:
 # --- the parser --------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, raising :class:`BadCommandLine` instead of printing and exiting,
+    so that main() can report the error as JSON under ``--json``."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadCommandLine(self, message)
+
+
 class _Formatter(argparse.HelpFormatter):
     """argparse's formatter, minus its `import shutil` (bz2, lzma, ...: ~2 ms per hook):
     argparse builds a formatter for every add_argument, and the default one imports
@@ -660,30 +739,49 @@ COMMAND_PATHS = frozenset(
         ("message", "send"), ("message", "list"), ("message", "ack"), ("top",),
     }
 )  # fmt: skip
-_OPTIONS_WITH_VALUES = ("--socket", "--principal", "--timeout")
 
 
 def command_path(argv: Sequence[str]) -> tuple[str, ...] | None:
-    """The command the arguments name, if plain enough to tell without argparse."""
-    words: list[str] = []
-    index = 0
-    while index < len(argv):
-        arg = argv[index]
-        if arg in _OPTIONS_WITH_VALUES:
-            index += 2
-            continue
-        if arg == "--json" or arg.startswith(tuple(f"{o}=" for o in _OPTIONS_WITH_VALUES)):
-            index += 1
-            continue
-        if arg.startswith("-"):
-            return None  # --help, or something argparse should explain
-        words.append(arg)
-        if tuple(words) in COMMAND_PATHS:
-            return tuple(words)
-        if len(words) == 2:
-            return None
-        index += 1
+    """The command the arguments name, if plain enough to tell without argparse (an
+    option other than a global one before the command, such as --help, leaves it to
+    the full parser)."""
+    words, _given = scan(list(argv))
+    for length in (1, 2):
+        if tuple(words[:length]) in COMMAND_PATHS:
+            return tuple(words[:length])
     return None
+
+
+def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """--socket, --json, --principal, --timeout: on towerctl's parser with their defaults;
+    on each command's parser too (defaults=False: given there, they override), so that
+    they are taken after the command as well as before it."""
+    group: Any = parser
+    if not defaults:
+        group = parser.add_argument_group("global options (before or after the command)")
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    group.add_argument(
+        "--socket",
+        default=default(None),
+        help="daemon socket (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock)",
+    )
+    group.add_argument(
+        "--json",
+        action="store_true",
+        default=default(False),
+        help="print results and errors as JSON on stdout",
+    )
+    group.add_argument(
+        "--principal",
+        default=default(None),
+        help="whose idempotency keys to use (default: default)",
+    )
+    group.add_argument(
+        "--timeout", type=float, default=default(10.0), help="seconds to wait for an answer"
+    )
 
 
 class _Skipped:
@@ -695,24 +793,16 @@ class _Skipped:
 
 def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
     """The CLI's parser; with ``only``, just the parsers on that command's path."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         formatter_class=_Formatter,
         prog="towerctl",
         description="Talk to the towerd daemon.",
         epilog=EXIT_EPILOG,
     )
+    _add_global_options(parser, defaults=True)
     parser.add_argument(
-        "--socket",
-        default=None,
-        help="daemon socket (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock)",
+        "--version", action="version", version=f"towerctl {VERSION}", help="print the version"
     )
-    parser.add_argument(
-        "--json", action="store_true", help="print results and errors as JSON on stdout"
-    )
-    parser.add_argument(
-        "--principal", default=None, help="whose idempotency keys to use (default: default)"
-    )
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     paths = {id(commands): ()}
 
@@ -724,8 +814,14 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
         path = (*paths[id(sub)], name)
         if only is not None and only[: len(path)] != path:
             return _Skipped()
-        p = sub.add_parser(name, help=help, description=help, formatter_class=_Formatter)
-        p.set_defaults(run=run, render=show)
+        # "resolve": an option of the command's own (lock worktree's --timeout) replaces
+        # the global option of that name after the command.
+        p = sub.add_parser(
+            name, help=help, description=help, formatter_class=_Formatter,
+            conflict_handler="resolve",
+        )  # fmt: skip
+        _add_global_options(p, defaults=False)
+        p.set_defaults(run=run, render=show, parser=p)
         if run is None:  # a group: its subcommands come next
             group = p.add_subparsers(dest=f"{name}_command", required=True, metavar="SUBCOMMAND")
             paths[id(group)] = path
@@ -751,7 +847,7 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
         "import a legacy fleet JSON file",
         render_import,
     )
-    p.add_argument("path")
+    p.add_argument("legacy_file", metavar="PATH")
     p = command(
         fleet,
         "adopt",
@@ -935,12 +1031,6 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
 
 def _add_command_argv(p: Any, what: str) -> None:
     """The command after ``--``: everything after it is CMD's, options included."""
-    p.add_argument(
-        "--json",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="as the global --json: the result or error as JSON on stdout",
-    )
     p.add_argument(
         "argv",
         nargs=argparse.REMAINDER,
@@ -1173,7 +1263,8 @@ def _add_trail_commands(command: Any, commands: Any) -> None:
         commands,
         "hook-report",
         cmd_hook_report,
-        "record an agent hook's JSON (stdin) as an event; always exits 0, prints nothing",
+        "record an agent hook's JSON (stdin) as an event; run as a hook (without --help) "
+        "it always exits 0 and prints nothing",
     )
     p.set_defaults(offline=True, raw=True)
     events = command(commands, "events", None, "the hook event trail")
@@ -1311,13 +1402,77 @@ def render_restore_plan(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["hook-report"]:
+    is_hook, socket_path = hook_report_socket(argv)
+    if is_hook:
         # Every agent hook runs this: no parser, no output, exit 0 whatever happens.
         from towerd.client.hook_report import report
 
-        sys.exit(report())
-    args = build_parser(command_path(argv)).parse_args(argv)
+        sys.exit(report(socket_path=socket_path))
+    parser = build_parser(command_path(argv))
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # refused, with the usage of the command they were given to
+            refusing = getattr(args, "parser", parser)
+            raise BadCommandLine(refusing, f"unrecognized arguments: {' '.join(unknown)}")
+        _require_text(args)
+    except BadCommandLine as exc:
+        as_json = "--json" in scan(argv)[1]
+        sys.exit(usage_error(exc.message, exc.parser, as_json=as_json, refused=True))
     sys.exit(run(args))
+
+
+def usage_error(
+    message: str, parser: argparse.ArgumentParser | None, *, as_json: bool, refused: bool
+) -> int:
+    """Report bad usage, exit 2. With --json, ``{"error": {"code": "usage", "message",
+    "data": {"usage"}}}`` on stdout; else on stderr, as argparse does when argparse
+    ``refused`` the line, or one ``towerctl: message`` line when a command did."""
+    usage = parser.format_usage().strip() if parser is not None else None
+    if as_json:
+        data = {"usage": " ".join(usage.split())} if usage is not None else {}
+        print(dumps_json({"error": {"code": "usage", "message": message, "data": data}}))
+    elif refused and parser is not None:
+        say(f"{usage}\n{parser.prog}: error: {message}", to_stderr=True)
+    else:
+        say(f"towerctl: {message}", to_stderr=True)
+    return EXIT_USAGE
+
+
+# Options naming files on this machine: any bytes the OS takes are fine there.
+_LOCAL_PATHS = frozenset({"socket", "state_dir", "dir", "repo", "legacy_file", "argv"})
+
+
+def _require_text(args: argparse.Namespace) -> None:
+    """Every string argument sent to the daemon must be UTF-8 text (the wire's strings
+    are; Python hands undecodable argv bytes over as lone surrogates)."""
+    for dest, value in vars(args).items():
+        if dest in _LOCAL_PATHS:
+            continue
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str) and not _is_utf8(text):
+                raise BadCommandLine(
+                    args.parser,
+                    f"argument {_option_name(args.parser, dest)}: not valid UTF-8 "
+                    f"({os.fsencode(text)!r}); towerd keeps text: give it in UTF-8",
+                )
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _option_name(parser: argparse.ArgumentParser, dest: str) -> str:
+    """How the command line spells the argument stored under ``dest`` (--key, SESSION)."""
+    for action in parser._actions:
+        if action.dest == dest:
+            if action.option_strings:
+                return action.option_strings[-1]
+            return str(action.metavar or dest.upper())
+    return dest
 
 
 def run(args: argparse.Namespace) -> int:
@@ -1332,27 +1487,26 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, "raw", False):
             return result  # it printed its own output; this is its exit status
     except UsageError as exc:
-        print(f"towerctl: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        parser = getattr(args, "parser", None)
+        return usage_error(str(exc), parser, as_json=args.json, refused=False)
     except Unhealthy as exc:
-        print(
-            _json().dumps(exc.result, indent=2, default=_jsonable)
-            if args.json
-            else args.render(exc.result)
-        )
-        return EXIT_ERROR
-    except TowerdError as exc:
         if args.json:
-            print(_json().dumps({"error": exc.to_wire()}, default=_jsonable))
+            print(dumps_json(exc.result, indent=2))
         else:
-            print(f"towerctl: {exc.code}: {exc.message}", file=sys.stderr)
+            say(args.render(exc.result))
+        return EXIT_ERROR
+    except (TowerdError, LocalFailure) as exc:
+        if args.json:
+            print(dumps_json({"error": exc.to_wire()}))
+        else:
+            say(f"towerctl: {exc.code}: {exc.message}", to_stderr=True)
         return EXIT_UNAVAILABLE if isinstance(exc, Unavailable) else EXIT_ERROR
     if args.json:
-        print(_json().dumps(result, indent=2, sort_keys=True, default=_jsonable))
+        print(dumps_json(result, indent=2, sort_keys=True))
     else:
-        print(args.render(result))
+        say(args.render(result))
         if isinstance(result, dict) and result.get("truncated"):
-            print("towerctl: the list was cut to fit one answer; narrow it", file=sys.stderr)
+            say("towerctl: the list was cut to fit one answer; narrow it", to_stderr=True)
     return EXIT_OK
 
 

@@ -1,33 +1,63 @@
 """``towerctl``'s entry point. Every agent hook runs ``towerctl hook-report``, so that
 command is recognised here and run without loading the CLI module (argparse and the
 command table cost about 3 ms a hook); everything else goes to ``towerd.client.cli``.
+
+:func:`scan` is towerctl's one reader of the command line short of argparse: this module
+uses it to spot ``hook-report``, the CLI to build only the parser of the command named
+and to know, when argparse refuses the line, whether the error is to be JSON.
 """
 
 from __future__ import annotations
 
 import sys
 
-_GLOBAL_OPTIONS_WITH_VALUES = ("--socket", "--principal", "--timeout")
+GLOBAL_OPTIONS_WITH_VALUES = ("--socket", "--principal", "--timeout")
+HELP_OPTIONS = ("-h", "--help")
 
 
-def hook_report_socket(argv: list[str]) -> tuple[bool, str | None]:
-    """(is this ``hook-report``?, the ``--socket`` given before it, if any)."""
-    socket_path = None
+def scan(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(the leading command words, the global options given).
+
+    The words are the arguments that are not options, up to the first option that is not
+    a global one (``fleet list`` in ``--json fleet list --limit 2``). The global options
+    (``--json``, ``--socket``, ``--principal``, ``--timeout``; ``-h``/``--help`` noted as
+    ``--help``) are taken before or after the command, up to ``--``: what follows ``--``
+    is a command's own (``run``, ``effect run``, ``lock worktree``). The last value of an
+    option wins, as with argparse; ``--json`` and ``--help`` map to "".
+    """
+    words: list[str] = []
+    given: dict[str, str] = {}
+    leading = True
     index = 0
     while index < len(argv):
         arg = argv[index]
-        if arg in _GLOBAL_OPTIONS_WITH_VALUES:
-            if arg == "--socket" and index + 1 < len(argv):
-                socket_path = argv[index + 1]
-            index += 2
-        elif arg.startswith("--socket="):
-            socket_path = arg.partition("=")[2]
-            index += 1
-        elif arg == "--json" or arg.startswith(("--principal=", "--timeout=")):
-            index += 1
-        else:
-            return arg == "hook-report", socket_path
-    return False, None
+        index += 1
+        if arg == "--":
+            break
+        name, equals, value = arg.partition("=")
+        if name in GLOBAL_OPTIONS_WITH_VALUES:
+            if not equals:
+                if index == len(argv):
+                    break  # its value is missing: argparse says so
+                value = argv[index]
+                index += 1
+            given[name] = value
+        elif arg == "--json":
+            given["--json"] = ""
+        elif arg.startswith("-"):
+            if arg in HELP_OPTIONS:
+                given["--help"] = ""
+            leading = False
+        elif leading:
+            words.append(arg)
+    return words, given
+
+
+def hook_report_socket(argv: list[str]) -> tuple[bool, str | None]:
+    """(is this ``hook-report`` run as a hook, i.e. without ``--help``?, its ``--socket``)."""
+    words, given = scan(argv)
+    is_hook = words[:1] == ["hook-report"] and "--help" not in given
+    return is_hook, given.get("--socket") if is_hook else None
 
 
 def main() -> None:

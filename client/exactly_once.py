@@ -2,8 +2,9 @@
 
 For hooks and scripts that are not Python. ``towerctl run --key KEY -- CMD ...``
 claims the idempotency key (holder: this towerctl process, which lives while CMD
-runs; payload: CMD's argv, so another command under the same key is an
-``idempotency_conflict``), runs CMD, and completes the key with
+runs; payload: CMD's argv, an argument that is not UTF-8 as its bytes, so another
+command under the same key is an ``idempotency_conflict``), runs CMD with exactly the
+bytes given, and completes the key with
 ``{"exit_status", "output_sha256"}``. ``towerctl effect run`` does the same through
 the effects ledger: claim (with the target's lease for shared kinds), heartbeats
 while CMD runs, then commit on exit 0 or fail otherwise.
@@ -303,11 +304,16 @@ class Connection:
 
 
 def _dumps(value: Any, **kwargs: Any) -> str:
-    import json
+    from towerd.client.cli import dumps_json
 
-    from towerd.client.cli import _jsonable
+    return dumps_json(value, **kwargs)
 
-    return json.dumps(value, default=_jsonable, **kwargs)
+
+def _say(text: str) -> None:
+    """A line for the person, on stderr (stdout is CMD's), safe for a terminal."""
+    from towerd.client.cli import say
+
+    say(f"towerctl: {text}", to_stderr=True)
 
 
 def print_json(result: Any) -> None:
@@ -321,28 +327,44 @@ def error_out(
     if args.json:
         print(_dumps({"error": error.to_wire()}))
     else:
-        print(f"towerctl: {error.code}: {error.message}", file=sys.stderr)
+        _say(f"{error.code}: {error.message}")
         if hint:
-            print(f"towerctl: {hint}", file=sys.stderr)
+            _say(hint)
     return status
 
 
 def note(args: argparse.Namespace, text: str) -> None:
     """A line for the person in text mode (stderr: stdout is CMD's)."""
     if not args.json:
-        print(f"towerctl: {text}", file=sys.stderr)
+        _say(text)
 
 
 def not_started(args: argparse.Namespace, argv: list[str], exc: OSError, what: str) -> int:
     """CMD could not be started: nothing ran."""
     missing = isinstance(exc, FileNotFoundError)
     code = "command_not_found" if missing else "command_not_executable"
-    message = f"cannot run {argv[0]!r}: {exc.strerror or exc}; nothing ran, {what}"
+    message = f"cannot run '{shown(argv[0])}': {exc.strerror or exc}; nothing ran, {what}"
     if args.json:
-        print(_dumps({"error": {"code": code, "message": message, "data": {"argv": argv}}}))
+        data = {"argv": [shown(arg) for arg in argv]}
+        print(_dumps({"error": {"code": code, "message": message, "data": data}}))
     else:
-        print(f"towerctl: {code}: {message}", file=sys.stderr)
+        _say(f"{code}: {message}")
     return EXIT_NOT_FOUND if missing else EXIT_NOT_EXECUTABLE
+
+
+def command_payload(argv: list[str]) -> list[str | bytes]:
+    """CMD's argv as its key's payload: each argument as text, or as its exact bytes
+    (msgpack bin) when it is not UTF-8. Python hands undecodable argv bytes over as lone
+    surrogates, which no wire string can carry; as bytes, the same argv always hashes
+    the same and a different one never does."""
+    from towerd.client.cli import _is_utf8
+
+    return [arg if _is_utf8(arg) else os.fsencode(arg) for arg in argv]
+
+
+def shown(arg: str) -> str:
+    """An argument as text for messages: bytes that are not UTF-8 as ``\\xNN``."""
+    return os.fsencode(arg).decode("utf-8", "backslashreplace")
 
 
 def command_argv(args: argparse.Namespace, command: str) -> list[str]:
@@ -388,7 +410,7 @@ def shell_run(args: argparse.Namespace) -> int:
             "idem_claim",
             operation,
             key,
-            payload=argv,
+            payload=command_payload(argv),
             holder_pid=os.getpid(),
             attempt=secrets.token_hex(16),  # a repeated claim after a lost answer is ours
         )
@@ -524,7 +546,8 @@ def effect_run(args: argparse.Namespace) -> int:
             die_with_parent=signal.SIGTERM if effect.lease_resource else None,
         )
     except OSError as exc:
-        deliver(client, "effect_abort", key, attempt, f"cannot run {argv[0]}", settled="aborted")
+        reason = f"cannot run {shown(argv[0])}"
+        deliver(client, "effect_abort", key, attempt, reason, settled="aborted")
         return not_started(args, argv, exc, "the effect is aborted")
     beat = EffectBeat(lambda: conn.new_client("/heartbeat"), effect, args.lease_ttl)
     heartbeat = Heartbeat(beat, args.heartbeat, on_stop=beat.close).start()

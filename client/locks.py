@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +34,12 @@ _POLL_FIRST, _POLL_MAX = 0.05, 0.5
 
 
 def worktree_resource(repo: str | os.PathLike[str]) -> str:
-    """The lease name for the repository containing ``repo`` (any worktree of it)."""
+    """The lease name for the repository containing ``repo`` (any worktree of it). A
+    lease name is text: bytes of the path that are not UTF-8 are named ``\\xNN``."""
     from towerd.client.git_tools import git_common_dir
 
-    return f"worktree:{git_common_dir(repo)}"
+    common_dir = os.fsencode(git_common_dir(repo)).decode("utf-8", "backslashreplace")
+    return f"worktree:{common_dir}"
 
 
 def describe(lease: dict[str, Any]) -> str:
@@ -108,10 +109,11 @@ class LeaseBeat:
             return True
         except self.LOST as exc:
             self.lost = exc
-            print(
+            from towerd.client.cli import say  # the CLI's sanitiser: the name holds a path
+
+            say(
                 f"towerctl: lost the lock on {self.resource} while the command runs: {exc.message}",
-                file=sys.stderr,
-                flush=True,
+                to_stderr=True,
             )
             return False
         except TowerdError:

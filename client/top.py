@@ -32,7 +32,6 @@ frame and exits 0; with ``--json`` it prints the snapshot once. Drawing lives in
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import select
@@ -70,10 +69,10 @@ def run_top(args: Any) -> int:
     refresh = max(0.05, float(getattr(args, "refresh", 1.0) or 1.0))
     source = Source(args.socket, args.timeout)
     if args.json:
-        from towerd.client.cli import _jsonable
+        from towerd.client.cli import dumps_json
 
         snapshot, _hello = source.read(TOPICS)
-        print(json.dumps(snapshot, indent=2, sort_keys=True, default=_jsonable))
+        print(dumps_json(snapshot, indent=2, sort_keys=True))
         return 0
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         dashboard = Dashboard(source, refresh)

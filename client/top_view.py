@@ -5,10 +5,18 @@ draws the same screen; :mod:`towerd.client.top` owns the connections and the ter
 The state is the ``watch`` snapshot's shape, topic by topic (daemon/store/snapshot.py):
 ``fleet`` {sessions, activity}, ``idem`` {keys, counts}, ``leases`` {leases},
 ``effects`` {effects}, ``dispatch`` {dispatches, workers}.
+
+Whatever the daemon stores was written by someone else (a session named ``[/]``, a cwd
+holding escape sequences), so two things hold for every frame: :func:`frame` first
+passes the whole view through :func:`towerd.client.cli.printable` (no control character
+reaches the terminal; each is shown as ``\\x1b``, ``\\n``...), and table cells are
+``Text``, never parsed as rich markup (``[link=...]`` stays text). Markup appears only
+in the fixed panel titles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -19,6 +27,8 @@ from rich.layout import Layout
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from towerd.client.cli import printable
 
 ATTENTION_STYLE = {"needs_you": "bold red", "running": "green", "done": "blue", "exited": "dim"}
 ATTENTION_RANK = {"needs_you": 0, "running": 1, "done": 2, "exited": 3}
@@ -173,10 +183,29 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 # --- the frame ---------------------------------------------------------------------------------
 
 
+def shown(value: Any) -> Any:
+    """``value`` with every string in it (dict keys included) made :func:`printable`."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {shown(key): shown(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(shown(item) for item in value)
+    return value
+
+
+def printable_view(view: View) -> View:
+    """The view as a terminal may show it: the one place data is made safe to draw."""
+    return dataclasses.replace(
+        view, **{f.name: shown(getattr(view, f.name)) for f in dataclasses.fields(view)}
+    )
+
+
 def frame(view: View, width: int = 160, height: int | None = None) -> RenderableType:
     """The whole screen. With ``height`` (a live terminal) the footer is pinned to the
     bottom and the fleet is cut to fit; without, the frame is printed once, in full.
     A narrow ``width`` drops the fleet's least useful columns rather than squeeze all."""
+    view = printable_view(view)
     header = _header(view)
     panels = _panels(view)
     if height is None:
@@ -245,8 +274,17 @@ def _header(view: View) -> Text:
     return text
 
 
+class _TextTable(Table):
+    """A table whose string cells are text as it is: never parsed as rich markup."""
+
+    def add_row(self, *cells: RenderableType | None, **options: Any) -> None:
+        super().add_row(*(Text(c) if isinstance(c, str) else c for c in cells), **options)
+
+
 def _table(*columns: tuple[str, dict[str, Any]]) -> Table:
-    table = Table(box=None, header_style="bold", pad_edge=False, expand=True, padding=(0, 2, 0, 0))
+    table = _TextTable(
+        box=None, header_style="bold", pad_edge=False, expand=True, padding=(0, 2, 0, 0)
+    )
     for name, options in columns:
         table.add_column(name, no_wrap=True, overflow="ellipsis", **options)
     return table

@@ -18,6 +18,7 @@ import os
 import sys
 import time
 
+from towerd.client.cli import printable, say
 from towerd.client.sync import Client
 from towerd.protocol.errors import TooSlow, TowerdError, Unavailable
 
@@ -47,10 +48,10 @@ def tail_events(args: Any, scope: dict[str, Any]) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
     except Unavailable as exc:
-        print(f"towerctl: {exc.code}: {exc.message}", file=sys.stderr)
+        say(f"towerctl: {exc.code}: {exc.message}", to_stderr=True)
         return EXIT_UNAVAILABLE
     except TowerdError as exc:
-        print(f"towerctl: {exc.code}: {exc.message}", file=sys.stderr)
+        say(f"towerctl: {exc.code}: {exc.message}", to_stderr=True)
         return EXIT_ERROR
 
 
@@ -137,7 +138,7 @@ class _Tail:
         if self.args.json:
             line = json.dumps(event, default=_jsonable)
         else:
-            line = format_event(event)
+            line = printable(format_event(event))
         print(line, flush=True)
 
 

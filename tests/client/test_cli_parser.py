@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from towerd.client.cli import COMMAND_PATHS, build_parser, command_path
+from towerd.client.cli import COMMAND_PATHS, build_parser, command_path, main
 
 
 def leaf_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> set:
@@ -39,6 +39,11 @@ def test_command_paths_list_every_command_of_the_full_parser():
         (["dispatch", "get", "7"], ("dispatch", "get")),
         (["--socket=/s", "audit", "--limit", "3"], ("audit",)),
         (["dispatch"], None),
+        # Global options after the command: the command is still found.
+        (["status", "--json"], ("status",)),
+        (["fleet", "restore-plan", "--json", "--socket", "/s"], ("fleet", "restore-plan")),
+        (["fleet", "--timeout", "3", "list"], ("fleet", "list")),
+        (["--version"], None),
     ],
 )
 def test_command_path_is_found_or_left_to_argparse(argv, path):
@@ -72,9 +77,11 @@ def test_the_lean_parser_parses_like_the_full_one(path):
     full = vars(build_parser().parse_args(argv))
     lean = vars(build_parser(command_path(argv)).parse_args(argv))
     assert command_path(argv) == path
-    assert {k: v for k, v in lean.items() if k not in ("run", "render")} == {
-        k: v for k, v in full.items() if k not in ("run", "render")
+    made_here = ("run", "render", "parser")  # functions and parser objects of each build
+    assert {k: v for k, v in lean.items() if k not in made_here} == {
+        k: v for k, v in full.items() if k not in made_here
     }
+    assert lean["parser"].prog == full["parser"].prog == " ".join(("towerctl", *path))
 
 
 def test_cli_enumerations_match_the_protocol():
@@ -112,7 +119,7 @@ def test_cli_enumerations_match_the_protocol():
 )
 def test_bad_new_command_lines_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exited:
-        build_parser(command_path(argv)).parse_args(argv)
+        main(argv)
     assert exited.value.code == 2
     assert "usage: towerctl" in capsys.readouterr().err
 
@@ -127,6 +134,12 @@ def test_bad_new_command_lines_are_usage_errors(argv, capsys):
         (["ping"], (False, None)),
         (["--socket", "/s", "events", "tail"], (False, "/s")),
         ([], (False, None)),
+        # Global options after it count too; --help is for a person: the CLI prints it.
+        (["hook-report", "--socket", "/u", "--json"], (True, "/u")),
+        (["hook-report", "--socket=/u"], (True, "/u")),
+        (["hook-report", "--help"], (False, None)),
+        (["--json", "hook-report", "-h"], (False, None)),
+        (["run", "--key", "k", "--", "hook-report"], (False, None)),
     ],
 )
 def test_the_entry_point_spots_hook_report_before_loading_the_cli(argv, expected):
@@ -137,3 +150,61 @@ def test_the_entry_point_spots_hook_report_before_loading_the_cli(argv, expected
         expected[0],
         expected[1] if expected[0] else None,
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "words", "given"),
+    [
+        (["--json", "fleet", "list", "--limit", "2"], ["fleet", "list"], {"--json": ""}),
+        (["fleet", "list", "--socket", "/s", "--json"], ["fleet", "list"],
+         {"--socket": "/s", "--json": ""}),
+        (["--timeout=3", "status", "--principal", "p"], ["status"],
+         {"--timeout": "3", "--principal": "p"}),
+        # After --, everything is the command's own: never towerctl's options.
+        (["run", "--key", "k", "--", "echo", "--json", "--socket", "x"], ["run"], {}),
+        (["run", "--json", "--key", "k", "--", "echo", "--help"], ["run"], {"--json": ""}),
+        (["lock", "worktree", "--timeout", "60", "--", "git", "gc"], ["lock", "worktree"],
+         {"--timeout": "60"}),
+        (["ping", "--help"], ["ping"], {"--help": ""}),
+        (["--socket"], [], {}),  # the value is missing: left to argparse
+    ],
+)  # fmt: skip
+def test_the_one_scanner_reads_global_options_before_and_after_the_command(argv, words, given):
+    from towerd.client.entry import scan
+
+    assert scan(argv) == (words, given)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["status", "--json"],
+        ["fleet", "restore-plan", "--json"],
+        ["fleet", "list", "--json", "--socket", "/s", "--principal", "p", "--timeout", "4"],
+        ["--json", "fleet", "list", "--socket=/s", "--principal=p", "--timeout=4"],
+        ["fleet", "--json", "--socket", "/s", "list", "--principal", "p", "--timeout", "4"],
+    ],
+)
+def test_global_options_parse_the_same_after_the_command(argv):
+    args = build_parser(command_path(argv)).parse_args(argv)
+    assert args.json is True
+    if "fleet" in argv and "list" in argv:
+        assert (args.socket, args.principal, args.timeout) == ("/s", "p", 4.0)
+
+
+def test_after_dash_dash_nothing_is_parsed_as_a_towerctl_option():
+    argv = ["run", "--json", "--key", "k", "--", "echo", "--json", "--socket", "x", "--help"]
+    args = build_parser(command_path(argv)).parse_args(argv)
+    assert args.json is True and args.socket is None and args.key == "k"
+    assert [a for a in args.argv if a != "--"] == ["echo", "--json", "--socket", "x", "--help"]
+    argv = ["run", "--key", "k", "--", "echo", "--json"]
+    args = build_parser(command_path(argv)).parse_args(argv)
+    assert args.json is False
+
+
+def test_lock_worktree_keeps_its_own_timeout_after_the_command():
+    """``lock worktree --timeout S`` is the wait for the lock, as documented; the global
+    --timeout (answers) still goes before the command."""
+    argv = ["--timeout", "4", "lock", "worktree", "--timeout", "60", "--", "true"]
+    args = build_parser(command_path(argv)).parse_args(argv)
+    assert (args.timeout, args.wait_timeout) == (4.0, 60.0)

@@ -320,10 +320,12 @@ def test_fleet_import_legacy(daemon, short_tmp):
         (not_list, "JSON array"),
         (short_tmp / "missing.json", "cannot read"),
     ):
-        for mode in ((), ("--json",)):
-            r = towerctl(daemon, *mode, "fleet", "import-legacy", str(target))
-            assert r.returncode == 2, r
-            assert needle in r.stderr and r.stdout == ""
+        r = towerctl(daemon, "fleet", "import-legacy", str(target))
+        assert r.returncode == 2, r
+        assert needle in r.stderr and r.stdout == ""
+        error = json_error(daemon, "fleet", "import-legacy", str(target), code="usage",
+                           exit_status=2)  # fmt: skip
+        assert needle in error["message"]
     assert ok_json(daemon, "status")["sessions"] == 2
 
 
@@ -629,11 +631,15 @@ def test_principal_option(daemon):
 
 
 def test_invalid_payload_json_is_usage_error(daemon):
-    """An invalid --payload (or --result) JSON exits 2 without touching the key."""
-    for mode in ((), ("--json",)):
-        r = towerctl(daemon, *mode, "idem", "claim", "op", "p", "--payload", "{oops")
-        assert r.returncode == 2, r
-        assert "--payload is not valid JSON" in r.stderr and r.stdout == ""
+    """An invalid --payload (or --result) JSON exits 2 without touching the key: on
+    stderr, or with --json as a `usage` error on stdout."""
+    r = towerctl(daemon, "idem", "claim", "op", "p", "--payload", "{oops")
+    assert r.returncode == 2, r
+    assert "--payload is not valid JSON" in r.stderr and r.stdout == ""
+    error = json_error(daemon, "idem", "claim", "op", "p", "--payload", "{oops", code="usage",
+                       exit_status=2)  # fmt: skip
+    assert error["message"].startswith("--payload is not valid JSON")
+    assert error["data"]["usage"].startswith("usage: towerctl idem claim ")
     json_error(daemon, "idem", "get", "op", "p", code="idempotency_key_unknown")
     ok_json(daemon, "idem", "claim", "op", "p")
     r = towerctl(daemon, "idem", "complete", "op", "p", "--result", "nope")
@@ -651,6 +657,117 @@ def test_argparse_usage_errors(daemon):
         r = towerctl(daemon, *args)
         assert r.returncode == 2, r
         assert "usage:" in r.stderr and r.stdout == ""
+
+
+def test_usage_errors_under_json_are_json(daemon):
+    """With --json (before or after the command), what argparse refuses is a `usage`
+    error on stdout, with the command's usage, exit 2; stderr stays empty."""
+    for args, usage in (
+        (("fleet", "list", "--bogus"), "usage: towerctl fleet list "),
+        (("fleet", "list", "--limit", "x"), "usage: towerctl fleet list "),
+        (("idem", "claim", "op"), "usage: towerctl idem claim "),
+        (("frobnicate",), "usage: towerctl "),
+    ):
+        for placed in (("--json", *args), (*args, "--json")):
+            r = _run(daemon, *placed)
+            assert r.returncode == 2 and r.stderr == "", r
+            (line,) = r.stdout.splitlines()
+            error = json.loads(line)["error"]
+            assert error["code"] == "usage" and error["message"], error
+            assert error["data"]["usage"].startswith(usage), error
+            assert "\n" not in error["data"]["usage"]
+    error = json.loads(_run(daemon, "--json", "fleet", "list", "--bogus").stdout)["error"]
+    assert error["message"] == "unrecognized arguments: --bogus"
+
+
+def test_global_options_after_the_command(daemon, short_tmp):
+    """The README writes `fleet restore-plan --json` and `status --json`: global options
+    are taken after the command as well as before it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOWERD_")}
+
+    def bare(*args: str) -> subprocess.CompletedProcess[str]:  # no --socket put first
+        return subprocess.run([TOWERCTL, *args], capture_output=True, text=True, env=env,
+                              check=False, timeout=30)  # fmt: skip
+
+    sock = str(daemon.socket_path)
+    with daemon.client() as client:
+        session = client.session_register(cwd="/srv/app", agent="claude")["session_id"]
+    status = json.loads(bare("status", "--json", "--socket", sock).stdout)
+    assert status["pid"] == daemon.pid
+    plan = json.loads(bare("fleet", "restore-plan", "--socket", sock, "--json").stdout)
+    assert [s["session_id"] for s in plan["sessions"]] == [session]
+    listed = bare("fleet", "list", "--json", "--socket", sock, "--timeout", "5")
+    assert listed.returncode == 0 and listed.stderr == "", listed
+    assert [s["session_id"] for s in json.loads(listed.stdout)["sessions"]] == [session]
+    # --principal after the command picks whose keys are read.
+    bare("--socket", sock, "idem", "claim", "op", "k", "--principal", "ci")
+    mine = json.loads(bare("idem", "list", "--json", "--socket=" + sock).stdout)["keys"]
+    theirs = bare("idem", "list", "--principal=ci", "--json", "--socket", sock).stdout
+    assert mine == [] and [k["key"] for k in json.loads(theirs)["keys"]] == ["k"]
+    # A socket given after the command is the one used (nobody listens here).
+    gone = bare("ping", "--json", "--socket", str(short_tmp / "nobody.sock"))
+    assert gone.returncode == 3 and json.loads(gone.stdout)["error"]["code"] == "unavailable"
+
+
+def test_version():
+    from towerd.protocol import VERSION
+
+    r = subprocess.run(
+        [TOWERCTL, "--version"], capture_output=True, text=True, check=False, timeout=30
+    )
+    assert (r.returncode, r.stdout, r.stderr) == (0, f"towerctl {VERSION}\n", "")
+
+
+def test_hook_report_help_prints_help_but_a_hook_run_prints_nothing(daemon):
+    """`hook-report --help` is for a person; run as a hook it stays silent."""
+    for placed in (("hook-report", "--help"), ("--json", "hook-report", "-h")):
+        r = towerctl(daemon, *placed)
+        assert r.returncode == 0 and r.stderr == "", r
+        assert r.stdout.startswith("usage: towerctl hook-report")
+        assert "record an agent hook's JSON" in r.stdout
+    sock = str(daemon.socket_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOWERD_")}
+    with daemon.client() as client:
+        session = client.session_register(cwd="/srv/app", agent="claude")["session_id"]
+        env["TOWERD_SESSION_ID"] = session
+        payload = json.dumps({"hook_event_name": "Stop", "session_id": session})
+        # The socket before the command, after it, and after it with --json.
+        for argv in (("--socket", sock, "hook-report"), ("hook-report", "--socket", sock),
+                     ("hook-report", "--json", f"--socket={sock}")):  # fmt: skip
+            r = subprocess.run([TOWERCTL, *argv], input=payload, capture_output=True,
+                               text=True, env=env, check=False, timeout=30)  # fmt: skip
+            assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r
+        kinds = [e["kind"] for e in client.event_list(session_ids=[session])["events"]]
+    assert kinds == ["Stop", "Stop", "Stop"]
+
+
+def test_install_systemd_enable_without_a_user_bus_is_one_clear_line(short_tmp):
+    """--enable where systemctl cannot reach a user manager: the units are written, one
+    line says what failed and what to run instead, exit 1; with --json a JSON error."""
+    runtime = short_tmp / "runtime"
+    runtime.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOWERD_")}
+    env.update(DBUS_SESSION_BUS_ADDRESS=f"unix:path={short_tmp}/no-bus",
+               XDG_RUNTIME_DIR=str(runtime))  # fmt: skip
+    units = short_tmp / "units"
+    command = [TOWERCTL, "install-systemd", "--dir", str(units), "--enable"]
+    r = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=60)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert "Traceback" not in r.stderr
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("towerctl: systemctl_failed: the units are written to "), line
+    assert "`systemctl --user daemon-reload` failed: " in line
+    assert "systemctl --user enable --now towerd.socket" in line
+    assert "loginctl enable-linger" in line
+    assert sorted(p.name for p in units.iterdir()) == ["towerd.service", "towerd.socket"]
+    r = subprocess.run([*command, "--json"], capture_output=True, text=True, env=env,
+                       check=False, timeout=60)  # fmt: skip
+    assert r.returncode == 1 and r.stderr == "", r
+    error = json.loads(r.stdout)["error"]
+    assert error["code"] == "systemctl_failed"
+    assert error["data"]["command"] == ["systemctl", "--user", "daemon-reload"]
+    assert error["data"]["installed"] == [str(units / "towerd.socket"),
+                                          str(units / "towerd.service")]  # fmt: skip
 
 
 def test_daemon_not_running_is_exit_3(short_tmp):

@@ -134,9 +134,13 @@ def test_kv_round_trip_text_and_json(daemon):
 
 def test_kv_set_invalid_json_is_a_usage_error(daemon):
     """A VALUE_JSON that is not JSON exits 2 (with or without --json) and stores nothing."""
-    for mode in ((), ("--json",)):
-        stderr = usage_error(daemon, *mode, "kv", "set", "global", "k", "{oops")
-        assert stderr.startswith("towerctl: VALUE_JSON is not valid JSON: "), stderr
+    stderr = usage_error(daemon, "kv", "set", "global", "k", "{oops")
+    assert stderr.startswith("towerctl: VALUE_JSON is not valid JSON: "), stderr
+    r = towerctl(daemon, "--json", "kv", "set", "global", "k", "{oops")
+    assert r.returncode == 2 and r.stderr == "", r
+    error = json.loads(r.stdout)["error"]
+    assert error["code"] == "usage"
+    assert error["message"].startswith("VALUE_JSON is not valid JSON: "), error
     assert "invalid choice: 'local'" in usage_error(daemon, "kv", "set", "local", "k", "1")
     with daemon.client() as client:
         assert client.kv_list("global")["entries"] == []

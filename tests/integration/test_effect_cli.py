@@ -226,6 +226,78 @@ def test_run_usage_errors(daemon):
     assert r.returncode == 2 and "after --" in r.stderr
 
 
+def test_options_after_dash_dash_are_the_commands_own(daemon):
+    """`run --json --key k -- echo --json`: the first --json is towerctl's, the one
+    after -- is echo's (as are --socket and --help there)."""
+    r = towerctl(daemon, "run", "--json", "--key", "echo-json", "--",
+                 "echo", "--json", "--socket", "/x", "--help")  # fmt: skip
+    assert r.returncode == 0, r
+    assert r.stderr == "--json --socket /x --help\n"  # CMD's stdout, moved to stderr by --json
+    assert json.loads(r.stdout)["state"] == "ran"
+    r = towerctl(daemon, "run", "--key", "echo-text", "--", "echo", "--json")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "--json\n", "")
+
+
+def raw_towerctl(daemon, *args: bytes | str, **popen) -> subprocess.CompletedProcess[bytes]:
+    """towerctl with an argv of raw bytes (what a shell passes along unchanged)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOWERD_")}
+    argv = [os.fsencode(a) for a in (TOWERCTL, "--socket", str(daemon.socket_path), *args)]
+    return subprocess.run(argv, capture_output=True, env=env, check=False, timeout=30, **popen)
+
+
+def test_run_with_an_argument_that_is_not_utf8_runs_it_exactly_once(daemon):
+    """`towerctl run --key k -- printf '\\xff'`: the command gets the byte itself, the key
+    records the argv as bytes, a retry replays, another byte is another command."""
+    first = raw_towerctl(daemon, "run", "--key", "bytes", "--", "printf", b"\xff")
+    assert (first.returncode, first.stdout, first.stderr) == (0, b"\xff", b""), first
+    digest = output_digest(b"\xff", b"")
+    with daemon.client() as client:
+        assert client.idem_get("shell", "bytes")["result"]["output_sha256"] == digest
+    retry = raw_towerctl(daemon, "run", "--key", "bytes", "--", "printf", b"\xff")
+    assert retry.returncode == 0 and retry.stdout == b"", retry  # replayed, not run
+    assert b"already ran: exit status 0" in retry.stderr and digest.encode() in retry.stderr
+    other = raw_towerctl(daemon, "--json", "run", "--key", "bytes", "--", "printf", b"\xfe")
+    assert other.returncode == 1 and other.stdout.count(b"\n") == 1, other
+    assert json.loads(other.stdout)["error"]["code"] == "idempotency_conflict"
+    assert b"Traceback" not in first.stderr + retry.stderr + other.stderr
+
+
+def test_a_command_that_is_not_utf8_and_not_found_exits_127(daemon):
+    missing = b"/nonexistent/towerd-\xff"
+    for args in (["run", "--key", "nf-bytes"], effect_args("run_bytes")):
+        r = raw_towerctl(daemon, *args, "--", missing)
+        assert r.returncode == 127 and r.stdout == b"", r
+        assert r.stderr.startswith(b"towerctl: command_not_found: cannot run "), r
+        assert b"/nonexistent/towerd-\\xff" in r.stderr and b"Traceback" not in r.stderr
+        r = raw_towerctl(daemon, "--json", *args, "--", missing)
+        error = json.loads(r.stdout)["error"]
+        assert r.returncode == 127 and error["code"] == "command_not_found", r
+        assert error["data"]["argv"] == ["/nonexistent/towerd-\\xff"]
+
+
+def test_a_string_option_that_is_not_utf8_is_a_usage_error(daemon):
+    """A --key (or any text the daemon would store) that is not UTF-8: exit 2, a typed
+    usage error, nothing claimed, nothing run."""
+    for args in (["run", "--key", b"k\xff", "--", "true"],
+                 ["run", "--key", "k", "--operation", b"op\xfe", "--", "true"],
+                 ["message", "send", "s", b"hi \xff"]):  # fmt: skip
+        r = raw_towerctl(daemon, *args)
+        assert r.returncode == 2 and r.stdout == b"", r
+        assert b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr, r
+        r = raw_towerctl(daemon, "--json", *args)
+        assert r.returncode == 2 and r.stderr == b"", r
+        error = json.loads(r.stdout)["error"]
+        assert error["code"] == "usage" and "not valid UTF-8" in error["message"]
+    assert (
+        "argument --key: not valid UTF-8 (b'k\\xff')"
+        in json.loads(
+            raw_towerctl(daemon, "--json", "run", "--key", b"k\xff", "--", "true").stdout
+        )["error"]["message"]
+    )
+    with daemon.client() as client:
+        assert client.idem_list(operation="shell")["keys"] == []
+
+
 # --- towerctl effect run --------------------------------------------------------------------
 
 
@@ -462,6 +534,16 @@ def test_lock_worktree_timeout_exits_121_naming_the_holder(daemon, short_tmp, re
     gate.open()
     assert first.wait(10) == 4  # CMD's status
     assert lines(log) == ["a-in"]
+
+
+def test_lock_worktree_in_a_repository_whose_path_is_not_utf8(daemon, short_tmp):
+    """The lease is named after the path, undecodable bytes as \\xNN: it locks, no
+    traceback."""
+    main = short_tmp / os.fsdecode(b"repo-\xff")
+    git(short_tmp, "init", "-q", "-b", "main", str(main))
+    r = raw_towerctl(daemon, "lock", "worktree", "--repo", os.fsencode(main), "--",
+                     "sh", "-c", "echo locked")  # fmt: skip
+    assert (r.returncode, r.stdout, r.stderr) == (0, b"locked\n", b""), r
 
 
 def test_lock_worktree_outside_a_repository_is_a_usage_error(daemon, short_tmp):
