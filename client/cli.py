@@ -302,6 +302,12 @@ def cmd_effects_list(client: Client, args: argparse.Namespace) -> Any:
     return client.effect_list(args.run_id)
 
 
+def cmd_idem_reopen(client: Client, args: argparse.Namespace) -> Any:
+    """Reopen the outcome as it is now: the daemon refuses if it changed meanwhile."""
+    record = client.idem_get(args.operation, args.key)
+    return client.idem_reopen(args.operation, args.key, record.get("result"), reason=args.reason)
+
+
 def cmd_effects_resolve(client: Client, args: argparse.Namespace) -> Any:
     if args.effect_key is None or args.outcome is None:
         raise UsageError(
@@ -730,7 +736,7 @@ COMMAND_PATHS = frozenset(
         ("fleet", "list"), ("fleet", "get"), ("fleet", "import-legacy"), ("fleet", "adopt"),
         ("session", "register"), ("session", "update"), ("session", "remove"),
         ("idem", "claim"), ("idem", "complete"), ("idem", "release"), ("idem", "mark-unknown"),
-        ("idem", "get"), ("idem", "resolve"), ("idem", "list"),
+        ("idem", "get"), ("idem", "resolve"), ("idem", "reopen"), ("idem", "list"),
         ("run",), ("effect", "run"), ("lock", "worktree"),
         ("effects", "list"), ("effects", "resolve"), ("leases",),
         ("kv", "get"), ("kv", "set"), ("kv", "delete"), ("kv", "list"), ("workers",),
@@ -958,6 +964,13 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
         "a retry runs it afresh",
     )
     p.add_argument("--result", default=None, metavar="JSON")
+    p = keyed(
+        "reopen",
+        cmd_idem_reopen,
+        "forget a completed outcome (e.g. a run whose command failed) so that the next "
+        "claim runs it again; written to the operator log",
+    )
+    p.add_argument("--reason", default=None, help="why, for the operator log")
     p = command(idem, "list", cmd_idem_list, "this principal's keys", render_keys)
     p.add_argument("--state", choices=IDEM_STATES, default=None)
     p.add_argument("--operation", default=None)
@@ -1055,6 +1068,13 @@ def _add_exactly_once_commands(command: Any, commands: Any) -> None:
         help="(required) names what CMD does: the same on every retry, e.g. push:app#42",
     )
     p.add_argument("--operation", default="shell", help="the key's operation (default: shell)")
+    p.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="if an earlier run of this key completed with a non-zero exit status, run CMD "
+        "again (the failed outcome is forgotten, and that is written to the operator log); "
+        "a run that succeeded is still never run again",
+    )
     _add_command_argv(p, "to run once")
 
     effect = command(commands, "effect", None, "run an external effect through the ledger")

@@ -43,11 +43,13 @@ from typing import TYPE_CHECKING, Any
 from towerd.client.idempotent import retry_delay
 from towerd.client.sync import Client
 from towerd.protocol.errors import (
+    Conflict,
     EffectAlreadyCommitted,
     EffectInFlight,
     EffectLeaseHeld,
     EffectUncertain,
     IdempotencyInProgress,
+    IdempotencyKeyUnknown,
     OutcomeUnknown,
     TowerdError,
     Unavailable,
@@ -394,19 +396,14 @@ def stored_status(result: Any) -> int:
     return 0
 
 
-def shell_run(args: argparse.Namespace) -> int:
-    """``towerctl run --key KEY [--operation OP] -- CMD ...``."""
-    from towerd.client.cli import UsageError
-
-    argv = command_argv(args, "run")
-    if not args.key:
-        raise UsageError("run: give --key KEY (the name of what CMD does, the same on a retry)")
-    operation, key = args.operation, args.key
+def _claim_run(
+    conn: Connection, args: argparse.Namespace, operation: str, key: str, argv: list[str]
+) -> dict[str, Any] | int:
+    """The claim of ``towerctl run``: its answer, or the exit status to leave with."""
     import secrets
 
-    conn = Connection(args)
     try:
-        claim = conn.call(
+        return conn.call(
             "idem_claim",
             operation,
             key,
@@ -429,6 +426,40 @@ def shell_run(args: argparse.Namespace) -> int:
         return error_out(
             args, exc, EXIT_BUSY, f"CMD was not run: process {pid} is running it; retry later"
         )
+
+
+def _reopen_failed_run(
+    conn: Connection, args: argparse.Namespace, operation: str, key: str, failed: Any
+) -> None:
+    """--retry-failed: forget the failed outcome (the operator log says so). A retry
+    that got there first (reopened it, maybe ran it) is no error: the next claim says
+    what the key holds now."""
+    try:
+        conn.call("idem_reopen", operation, key, failed, reason="towerctl run --retry-failed")
+    except (Conflict, IdempotencyKeyUnknown):
+        return
+    note(args, f"{key} ({operation}) failed before (exit {stored_status(failed)}): running again")
+
+
+def shell_run(args: argparse.Namespace) -> int:
+    """``towerctl run --key KEY [--operation OP] -- CMD ...``."""
+    from towerd.client.cli import UsageError
+
+    argv = command_argv(args, "run")
+    if not args.key:
+        raise UsageError("run: give --key KEY (the name of what CMD does, the same on a retry)")
+    operation, key = args.operation, args.key
+    conn = Connection(args)
+    claim = _claim_run(conn, args, operation, key, argv)
+    if isinstance(claim, int):
+        return claim
+    if claim["state"] == "completed" and args.retry_failed:
+        failed = claim.get("result")
+        if stored_status(failed) != 0:
+            _reopen_failed_run(conn, args, operation, key, failed)
+            claim = _claim_run(conn, args, operation, key, argv)
+            if isinstance(claim, int):
+                return claim
     answer = {"operation": operation, "key": key, "effect_ref": claim["effect_ref"]}
     if claim["state"] == "completed":
         result = claim.get("result")
@@ -442,7 +473,8 @@ def shell_run(args: argparse.Namespace) -> int:
                 args,
                 f"{key} ({operation}) already ran: exit status {status}"
                 + (f", output sha256 {shown}" if shown else "")
-                + "; not running it again",
+                + "; not running it again"
+                + (" (--retry-failed reruns a failed one)" if status else ""),
             )
         return status
 

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -104,6 +105,58 @@ def test_run_passes_the_exit_status_through_and_replays_it(daemon):
         assert r.returncode == 7, r.stderr
     r = towerctl(daemon, "--json", "run", "--key", "k7", "--", "sh", "-c", "exit 7")
     assert r.returncode == 7 and json.loads(r.stdout)["state"] == "replayed"
+
+
+def test_a_failed_run_is_retried_on_purpose_once_and_logged(daemon, short_tmp):
+    """A command that failed replays its failure; --retry-failed runs it again (once,
+    even with two retries at once), a run that succeeded is never rerun, and `idem
+    reopen` is the same decision by hand. Each reopen is in the operator log."""
+    log, flag = short_tmp / "log", short_tmp / "fixed"
+    cmd = ["sh", "-c", f"echo ran >> {log}; test -e {flag}"]
+    assert towerctl(daemon, "run", "--key", "push:42", "--", *cmd).returncode == 1
+    assert towerctl(daemon, "run", "--key", "push:42", "--", *cmd).returncode == 1
+    assert lines(log) == ["ran"]  # replayed, not rerun
+    flag.touch()  # the remote is back
+    retries = [
+        subprocess.Popen(
+            [
+                TOWERCTL,
+                "--socket",
+                str(daemon.socket_path),
+                "run",
+                "--retry-failed",
+                "--key",
+                "push:42",
+                "--",
+                *cmd,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    statuses = sorted(proc.wait(30) for proc in retries)
+    assert lines(log) == ["ran", "ran"]  # rerun exactly once
+    assert statuses[0] == 0 and statuses[1] in (0, 121), statuses
+    again = towerctl(daemon, "run", "--retry-failed", "--key", "push:42", "--", *cmd)
+    assert again.returncode == 0 and lines(log) == ["ran", "ran"]  # succeeded: never rerun
+    flag.unlink()
+    assert towerctl(daemon, "run", "--key", "other", "--", *cmd).returncode == 1
+    reopened = towerctl(daemon, "--json", "idem", "reopen", "shell", "other", "--reason", "flaky")
+    assert reopened.returncode == 0, reopened.stderr
+    assert json.loads(reopened.stdout)["previous"]["result"]["exit_status"] == 1
+    assert towerctl(daemon, "run", "--key", "other", "--", "true").returncode == 0
+    with sqlite3.connect(daemon.state_dir / "towerd.db") as db:
+        actions = [
+            json.loads(detail)
+            for action, detail in db.execute("SELECT action, detail FROM operator_log")
+            if action == "idem.reopen"
+        ]
+    assert [(a["key"], a["reason"]) for a in actions] == [
+        ("push:42", "towerctl run --retry-failed"),
+        ("other", "flaky"),
+    ]
 
 
 def test_run_another_command_under_the_same_key_is_an_idempotency_conflict(daemon, short_tmp):
