@@ -19,10 +19,20 @@ TOWERD = str(Path(sys.executable).parent / "towerd")
 class Daemon:
     """A towerd on ``workdir``; ``start`` returns once it sent READY=1."""
 
-    def __init__(self, workdir: Path, extra_args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        extra_args: list[str] | None = None,
+        *,
+        state_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
         self.socket_path = workdir / "run" / "towerd.sock"
-        self.state_dir = workdir / "state"
+        self.state_dir = state_dir or workdir / "state"
         self.extra_args = extra_args or []
+        self.extra_env = env or {}  # e.g. libfaketime for a stepped wall clock
+        self.prefix = prefix or []  # e.g. nsenter into a mount namespace
         self.log = open(workdir / "daemon.log", "ab")  # noqa: SIM115 - lives as long as we do
         self.notify_path = workdir / "notify"
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -33,9 +43,11 @@ class Daemon:
         """Start; True once READY, False if it died first (an armed start-up crash)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TOWERD_", "LISTEN_"))}
         env["NOTIFY_SOCKET"] = str(self.notify_path)
+        env.update(self.extra_env)
         if crash_at:
             env["TOWERD_CRASH_AT"] = crash_at
         command = [
+            *self.prefix,
             TOWERD, "--socket", str(self.socket_path), "--state-dir", str(self.state_dir),
             "--log-format", "json", "--log-level", "warning", *self.extra_args,
         ]  # fmt: skip

@@ -38,7 +38,7 @@ from towerd.client.sync import (
 from towerd.client.trust import check_peer, check_socket_dir
 from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol.envelope import FRAME_ERROR_ID, decode_frame, encode_request
-from towerd.protocol.errors import Conflict, TowerdError, Unavailable
+from towerd.protocol.errors import Conflict, StorageFull, TowerdError, Unavailable
 from towerd.protocol.lite import is_push, response_parts
 from towerd.protocol.paths import default_socket_path
 
@@ -398,6 +398,13 @@ async def run_once_async(
                 if failures >= attempts:
                     raise
                 await anyio.sleep(retry_delay(failures, backoff, max_backoff))
+                to_throw = exc
+            except StorageFull as exc:
+                if step.method != "idem.claim":  # the outcome is sent again: wait first
+                    failures += 1
+                    if failures >= attempts:
+                        raise
+                    await anyio.sleep(retry_delay(failures, backoff, max_backoff))
                 to_throw = exc
             except TowerdError as exc:
                 to_throw = exc

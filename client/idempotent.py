@@ -13,6 +13,9 @@ What a caller sees:
 * the connection drops at any point: reconnect and resume with the same key
   (a claim whose answer was lost is repeated with the same ``attempt`` token,
   and the daemon answers it ``claimed`` again);
+* the disk under the daemon is full when the outcome is recorded: recording is
+  retried (with backoff) until it succeeds, as for a lost connection; a claim
+  refused ``storage_full`` wrote nothing and is raised;
 * the effect raises: the key is marked ``outcome_unknown`` (it may have
   happened) and the exception propagates, unless it is
   :class:`EffectNotStarted`, which releases the key so a retry runs fresh;
@@ -30,7 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from towerd.client.sync import DEFAULT_TIMEOUT, Client
-from towerd.protocol.errors import TowerdError, Unavailable
+from towerd.protocol.errors import StorageFull, TowerdError, Unavailable
+
+# Refusals after which a call is sent again: the daemon could not be reached (or
+# restarted), or its disk was full. Claims are sent again only when unreachable.
+RETRIED_AFTER_CLAIM = (Unavailable, StorageFull)
 
 
 class EffectNotStarted(Exception):
@@ -85,10 +92,11 @@ def idempotent_steps(operation: str, key: str, payload: Any = None) -> Generator
 
 
 def _until_delivered(call: Call) -> Generator[Step, Any, Any]:
+    """Once the effect ran, what happened must reach the daemon: keep sending."""
     while True:
         try:
             return (yield call)
-        except Unavailable:
+        except RETRIED_AFTER_CLAIM:
             continue
 
 
@@ -147,6 +155,13 @@ def run_once(
                 if failures >= attempts:
                     raise
                 time.sleep(retry_delay(failures, backoff, max_backoff))
+                to_throw = exc
+            except StorageFull as exc:
+                if step.method != "idem.claim":  # the outcome is sent again: wait first
+                    failures += 1
+                    if failures >= attempts:
+                        raise
+                    time.sleep(retry_delay(failures, backoff, max_backoff))
                 to_throw = exc
             except TowerdError as exc:
                 to_throw = exc

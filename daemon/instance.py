@@ -65,8 +65,7 @@ class InstanceLock:
 
     def _write(self, **fields: object) -> None:
         record = {"pid": os.getpid(), **{k: v for k, v in fields.items() if v is not None}}
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, json.dumps(record).encode(), 0)
+        rewrite_record(self._fd, record)
         self._record = record
 
     def record_daemon(self, daemon_id: str) -> None:
@@ -75,6 +74,18 @@ class InstanceLock:
 
     def release(self) -> None:
         os.close(self._fd)
+
+
+def rewrite_record(fd: int, record: dict[str, object]) -> None:
+    """Replace a lock file's record in place. Written over the old bytes, then cut to
+    length, so it needs no new block when it is no longer than before (a full disk); if
+    it cannot be written at all, the lock still holds: the record only informs."""
+    data = json.dumps(record).encode()
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    except OSError:
+        pass
 
 
 def read_holder(path: Path) -> dict[str, object]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import structlog
 
-from towerd.daemon.instance import AlreadyRunning
+from towerd.daemon.instance import AlreadyRunning, rewrite_record
 from towerd.daemon.private_paths import StartRefused, check_private, ensure_private_dir
 from towerd.daemon.processes import PeerCredentials, peer_credentials
 
@@ -74,8 +74,7 @@ class SocketLock:
                     ) from None
                 time.sleep(0.05)
         record = {"pid": os.getpid(), "state_dir": str(state_dir), "socket": str(socket_path)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        rewrite_record(fd, record)
         return cls(fd, path)
 
     def release(self) -> None:

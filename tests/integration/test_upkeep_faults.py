@@ -4,6 +4,7 @@ full disk is a clean refusal rather than a traceback."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +27,15 @@ CLAIMANT = textwrap.dedent(
     sys.stdin.read()  # hold the key until killed
     """
 )
+
+
+def _refused_full(daemon, method: str) -> bool:
+    """The daemon's log shows ``method`` answered storage_full."""
+    for line in daemon.log().splitlines():
+        if '"request_failed"' in line and '"storage_full"' in line:
+            if json.loads(line).get("method") == method:
+                return True
+    return False
 
 
 def _upkeep(daemon) -> dict[str, dict]:
@@ -106,3 +116,64 @@ def test_a_start_on_a_full_disk_is_a_clean_refusal(make_daemon, short_tmp):
     assert proc.wait(30) == EXIT_REFUSED, daemon.log()
     log = daemon.log()
     assert "is full" in log and "Traceback" not in log, log
+
+
+RUN_ONCE_ON_A_FILLING_DISK = textwrap.dedent(
+    """
+    import json, os, sys
+    from towerd.client import run_once
+    socket_path, fill_dir, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+
+    def effect(effect_ref):
+        # The effect fills the daemon's disk: recording its outcome meets storage_full.
+        with open(os.path.join(fill_dir, "filler"), "wb") as filler:
+            try:
+                while True:
+                    filler.write(b"\\0" * 65536)
+                    filler.flush()
+            except OSError:
+                pass
+        return {"ref": effect_ref}
+
+    if mode == "async":
+        import anyio
+        from towerd.client import run_once_async
+        result = anyio.run(lambda: run_once_async("op", "k", effect, socket_path=socket_path,
+                                                   backoff=0.05, max_backoff=0.2))
+    else:
+        result = run_once("op", "k", effect, socket_path=socket_path, backoff=0.05,
+                          max_backoff=0.2)
+    print(json.dumps(result), flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(can_mount_tmpfs() is not None, reason=str(can_mount_tmpfs()))
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_run_once_keeps_recording_the_outcome_until_space_is_freed(make_daemon, short_tmp, mode):
+    """The effect ran; recording it fails storage_full: run_once (and run_once_async)
+    sends the completion again, with backoff, until the disk has room, instead of
+    giving up with the key left in progress."""
+    daemon = make_daemon()
+    mountpoint = short_tmp / "smallfs"
+    mountpoint.mkdir(mode=0o700)
+    daemon.state_dir = mountpoint / "state"
+    spawn_on_small_disk(daemon, mountpoint)
+    daemon.notify.wait_for("READY=1", 20, alive=lambda: daemon.proc.poll() is None)
+    inside = f"/proc/{daemon.pid}/root{mountpoint}"
+    runner = subprocess.Popen(
+        [sys.executable, "-c", RUN_ONCE_ON_A_FILLING_DISK, str(daemon.socket_path), inside, mode],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(
+        lambda: _refused_full(daemon, "idem.complete") or runner.poll() is not None,
+        what="the completion refused storage_full",
+    )
+    assert runner.poll() is None, "run_once gave up on a full disk"
+    os.unlink(os.path.join(inside, "filler"))
+    out, _ = runner.communicate(timeout=30)
+    assert runner.returncode == 0
+    with daemon.client() as client:
+        record = client.idem_get("op", "k")
+    assert record["state"] == "completed" and record["result"] == json.loads(out)
