@@ -772,7 +772,8 @@ def _add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> N
     group.add_argument(
         "--socket",
         default=default(None),
-        help="daemon socket (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock)",
+        help="daemon socket (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock, "
+        "else $XDG_STATE_HOME/towerd/towerd.sock)",
     )
     group.add_argument(
         "--json",
