@@ -56,7 +56,7 @@ from benchlib import TOWERD, Daemon
 OPERATION = "torture.spawn"
 CRASH_POINTS = ("batch.before_commit", "batch.after_commit", "reconcile.before_commit")
 FAULTS = ("intruder", "clock", "disk")
-FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+FAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))), Path("-"))
 CLOCK_STEPS = (90, 25 * 3600, -3600, 2 * 3600)  # seconds added to the daemon's wall clock
 EXIT_ALREADY_RUNNING, EXIT_REFUSED = 75, 78
 
