@@ -8,7 +8,15 @@ Scenarios, each measured in the same run against the same daemon:
 * slow frames: 200 peers each start a frame and stall (held open until the
   frame timeout closes them);
 * connection flood: peers connect until the cap (256 here) refuses them;
-* non-readers: 4 peers pipeline large ``fleet.list`` requests and never read.
+* non-readers: 4 peers pipeline large ``fleet.list`` requests and never read;
+* burst non-readers: 100 peers each write one ~271 KB burst of ``status`` requests
+  (8,200 of them) and never read: the daemon stops dispatching a peer's frames once
+  its answers wait unsent, so each costs a few hundred answers, not 8,200.
+
+The abusers all run in this one process, so the daemon is started with its
+per-process connection cap lifted (``--max-connections-per-process``) and its hello
+deadline far off (``--hello-timeout``: the flood takes ~50 s to reach the cap), so
+the global cap (256) is what the flood meets.
 
 Prints p50 / p99 of the well-behaved client's ping round trips, the ratio to the
 baseline, how many abusive connections were refused or dropped, and the
@@ -94,12 +102,34 @@ def non_readers(path: Path) -> tuple[list[socket.socket], str]:
     return peers, "4 peers pipelining ~800 KB answers, never reading"
 
 
+def burst_non_readers(path: Path) -> tuple[list[socket.socket], str]:
+    burst = b"".join(frame({"id": n, "method": "status", "params": {}}) for n in range(2, 8200))
+    peers = []
+    for _ in range(100):
+        sock = connect(path)
+        sock.setblocking(False)
+        data, sent = HELLO + burst, 0
+        try:
+            while sent < len(data):
+                sent += sock.send(data[sent:])
+        except BlockingIOError:
+            pass  # the daemon stopped reading this peer
+        peers.append(sock)
+    return peers, f"100 peers, one {len(burst) // 1024} KiB burst of status each, never reading"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--pings", type=int, default=2000)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="abuse-", dir="/tmp"))
-    daemon = Daemon(workdir, ["--max-connections", "256", "--send-timeout", "5"])
+    daemon = Daemon(
+        workdir,
+        [
+            *("--max-connections", "256", "--max-connections-per-process", "1024"),
+            *("--hello-timeout", "600", "--send-timeout", "5"),
+        ],
+    )
     daemon.start()
     print(machine())
     with Client(daemon.socket_path) as setup:
@@ -110,6 +140,7 @@ def main() -> None:
         ("slow frames", slow_frames),
         ("connection flood", flood),
         ("non-readers", non_readers),
+        ("burst non-readers", burst_non_readers),
     ]
     print(f"{'scenario':18} {'p50 ms':>8} {'p99 ms':>8} {'p99 x':>6} {'RSS MiB':>8}  abuse")
     base_p99 = None

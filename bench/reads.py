@@ -434,7 +434,8 @@ def main() -> None:
     )
     ensure_fd_limit(args.idle + args.clients + 512)  # towerd inherits it (it also raises its own)
     workdir = Path(tempfile.mkdtemp(prefix="bench-reads-", dir="/tmp"))
-    daemon = Daemon(workdir)
+    # All the idle and busy connections come from this one process.
+    daemon = Daemon(workdir, ["--max-connections-per-process", str(args.idle + args.clients + 64)])
     echoes: list[subprocess.Popen[str]] = []
     ok = False
     try:

@@ -350,7 +350,8 @@ def main() -> None:
         args.watchers, args.writes, args.rounds = 20, 300, 1
 
     workdir = Path(tempfile.mkdtemp(prefix="watch-bench-", dir="/tmp"))
-    daemon = Daemon(workdir)
+    # Every watcher's connection comes from one process.
+    daemon = Daemon(workdir, ["--max-connections-per-process", str(args.watchers + 64)])
     daemon.start()
     print(machine())
     print(

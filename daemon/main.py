@@ -39,7 +39,7 @@ from towerd.daemon.maintenance import (
     guard_periodically,
 )
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
-from towerd.daemon.server import Limits, Server
+from towerd.daemon.server import DEFAULT_MAX_CONNECTIONS_PER_PROCESS, Limits, Server
 from towerd.daemon.store import StoreConfig, open_store
 from towerd.daemon.store.tx import now_ms
 from towerd.daemon.watch import DEFAULT_MAX_QUEUED_BYTES, WatchHub
@@ -68,6 +68,8 @@ class DaemonConfig:
     takeover_timeout: float = 15.0
     new_store: bool = False
     max_connections: int = 1024
+    max_connections_per_process: int = DEFAULT_MAX_CONNECTIONS_PER_PROCESS
+    hello_timeout: float = 10.0
     frame_timeout: float = 10.0
     send_timeout: float = 10.0
     log_level: str = "info"
@@ -193,6 +195,8 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         limits=Limits(
             max_frame=config.max_frame,
             max_connections=config.max_connections,
+            max_connections_per_process=config.max_connections_per_process,
+            hello_timeout=config.hello_timeout,
             frame_timeout=config.frame_timeout,
             send_timeout=config.send_timeout,
         ),
@@ -313,7 +317,8 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         "--socket",
         type=Path,
         default=None,
-        help="Unix socket path (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock)",
+        help="Unix socket path (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock, "
+        "else $XDG_STATE_HOME/towerd/towerd.sock)",
     )
     parser.add_argument(
         "--state-dir",
@@ -363,6 +368,21 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         default=1024,
         metavar="N",
         help="connections beyond this are refused with `unavailable` (default 1024)",
+    )
+    parser.add_argument(
+        "--max-connections-per-process",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS_PER_PROCESS,
+        metavar="N",
+        help="one process's connections beyond this are refused with `unavailable` "
+        f"(default {DEFAULT_MAX_CONNECTIONS_PER_PROCESS})",
+    )
+    parser.add_argument(
+        "--hello-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection that has not said hello within this is closed (default 10)",
     )
     parser.add_argument(
         "--frame-timeout",
@@ -453,6 +473,8 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         takeover_timeout=args.takeover_timeout,
         new_store=args.new_store,
         max_connections=args.max_connections,
+        max_connections_per_process=args.max_connections_per_process,
+        hello_timeout=args.hello_timeout,
         frame_timeout=args.frame_timeout,
         send_timeout=args.send_timeout,
         log_level=args.log_level,

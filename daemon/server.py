@@ -8,6 +8,18 @@ unfinished) gets one error frame and the connection closes once its requests
 in flight are answered; bad params get ``bad_args`` and the connection stays
 open.
 
+What one peer may cost is bounded (``Limits``): a connection must finish hello
+within ``hello_timeout``; one process may hold ``max_connections_per_process``
+of the ``max_connections``. Frames are dispatched one at a time, and the loop
+stops at ``max_in_flight`` requests running or as soon as a reply waits in the
+write buffer, i.e. the kernel's socket buffer is full (a synchronous answer is
+never in flight, so the buffer must stop the loop too): the frames not yet
+dispatched stay in the decoder, reading pauses, and dispatching resumes as
+answers complete and the buffer drains. Unsent bytes are capped per connection,
+a watcher's by its queue bound on every send. A peer's values (a method name)
+are cut short when echoed in a message or a log line, and no error reply
+exceeds the reply limit.
+
 Why a Protocol and not anyio streams: measured here (bench/reads.py), anyio's
 stream receive/send and a task per request cost ~100 us of daemon CPU per
 ping, 25x an asyncio Protocol echo. Handlers answer at once when they can
@@ -55,6 +67,7 @@ from towerd.protocol.errors import (
     FrameTooLarge,
     Internal,
     ProtocolMismatch,
+    TooSlow,
     TowerdError,
     Unauthorized,
     Unavailable,
@@ -67,6 +80,12 @@ log = structlog.get_logger("towerd.server")
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 DEFAULT_PRINCIPAL = "default"
+DEFAULT_MAX_CONNECTIONS_PER_PROCESS = 128  # a hook or CLI needs 1-2; a service's pool a few dozen
+# Replies wait in our buffer only once the kernel's socket buffer is full: the peer is
+# that far behind. Then dispatch stops at once, and resumes when the buffer is empty.
+WRITE_BUFFER_HIGH = 0
+ECHO_LIMIT = 200  # characters of a peer's value (a method name) echoed in a message or log
+LOG_REASON_LIMIT = 1000  # characters of an error message repeated in a log line
 
 _PARAMS_DECODERS = {name: msgspec.msgpack.Decoder(spec.params) for name, spec in m.METHODS.items()}
 
@@ -112,8 +131,10 @@ class Limits:
     max_connections: int = 1024
     frame_timeout: float = 10.0  # a frame that started must be complete within this
     send_timeout: float = 10.0  # a peer that does not read its replies for this long is dropped
-    max_in_flight: int = 16  # requests per connection; then the daemon stops reading
+    max_in_flight: int = 16  # requests running per connection; then dispatch stops
     max_outbound_bytes: int = 8 * 1024 * 1024  # replies waiting to be sent; then drop the peer
+    hello_timeout: float = 10.0  # a connection that has not said hello by then is closed
+    max_connections_per_process: int = DEFAULT_MAX_CONNECTIONS_PER_PROCESS
 
 
 class Server:
@@ -134,6 +155,7 @@ class Server:
         self.trace_requests = trace_requests
         self.on_disconnect = on_disconnect
         self.connections: set[Connection] = set()
+        self.per_process: dict[int, int] = {}  # peer pid -> its admitted connections
         self.draining = False
         self._all_closed = anyio.Event()
         self._all_closed.set()
@@ -177,6 +199,19 @@ class Server:
         if not self.connections:
             self._all_closed.set()
 
+    def admit_process(self, pid: int) -> bool:
+        """Count one more connection of ``pid``; False (nothing counted) at the cap."""
+        held = self.per_process.get(pid, 0)
+        if held >= self.limits.max_connections_per_process:
+            return False
+        self.per_process[pid] = held + 1
+        return True
+
+    def release_process(self, pid: int) -> None:
+        held = self.per_process.pop(pid, 0) - 1
+        if held > 0:
+            self.per_process[pid] = held
+
 
 class Connection(asyncio.Protocol):
     """One peer: frames in, answers out, with the peer's limits enforced."""
@@ -187,13 +222,15 @@ class Connection(asyncio.Protocol):
         self.handlers = server.handlers
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.caller: Caller | None = None
-        self.decoder = FrameDecoder(server.limits.max_frame)
+        self.peer_pid: int | None = None  # set once counted against the per-process cap
+        self.decoder = FrameDecoder(server.limits.max_frame)  # holds frames not yet dispatched
         self.in_flight = 0
         self.finishing = False  # no more requests: close once the in-flight ones are answered
         self.reading = True
         self.writing_blocked = False
         self.frame_timer: asyncio.TimerHandle | None = None
         self.send_timer: asyncio.TimerHandle | None = None
+        self.hello_timer: asyncio.TimerHandle | None = None
         self.subscription: Subscription | None = None  # set once this peer sent ``watch``
 
     # --- asyncio.Protocol --------------------------------------------------------------
@@ -212,43 +249,48 @@ class Connection(asyncio.Protocol):
             )
             self.refuse(refusal)
             return
-        peer = peer_credentials(transport.get_extra_info("socket"))
+        try:
+            peer = peer_credentials(transport.get_extra_info("socket"))
+        except OSError as exc:
+            self.refuse_unknown_peer(exc)
+            return
         if peer.uid != os.geteuid():
             log.warning("peer_refused", code="unauthorized", peer_uid=peer.uid, peer_pid=peer.pid)
             self.refuse(Unauthorized("towerd serves only its own user"))
             return
-        self.caller = Caller(principal="", pid=peer.pid, holder=holder_of(peer.pid))
-        self.transport.set_write_buffer_limits(high=256 * 1024)
+        if not self.server.admit_process(peer.pid):
+            self.refuse_process_over_cap(peer.pid)
+            return
+        self.peer_pid = peer.pid
+        try:
+            holder = holder_of(peer.pid)
+        except OSError as exc:  # LivenessUnknown: /proc unreadable (EMFILE, say)
+            self.refuse_unknown_peer(exc, peer.pid)
+            return
+        self.caller = Caller(principal="", pid=peer.pid, holder=holder)
+        self.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH, low=0)
+        loop = asyncio.get_running_loop()
+        self.hello_timer = loop.call_later(self.limits.hello_timeout, self.hello_timed_out)
         if self.server.draining:
             self.finish()
 
     def data_received(self, data: bytes) -> None:
         if self.finishing or self.caller is None:
             return
-        frames = self.decoder.feed(data)
-        for frame in frames:
-            if self.finishing:
-                return
-            self.handle_frame(frame)
-        if self.decoder.error is not None and not self.finishing:
-            log.info(
-                "frame_refused",
-                code="frame_too_large",
-                length=self.decoder.error.length,
-                peer_pid=self.caller.pid,
-            )
-            self.refuse(FrameTooLarge(str(self.decoder.error)))
-            return
-        self.watch_frame_time(started_new=bool(frames))
+        self.decoder.append(data)
+        self.dispatch()
 
     def eof_received(self) -> bool:
-        self.finish()  # answer what is in flight, then close
+        # Reading pauses while frames wait undispatched, so every frame before the EOF
+        # has been dispatched: answer what is in flight, then close.
+        self.finish()
         return True
 
     def pause_writing(self) -> None:
-        """The peer is not reading: take no more requests, drop it if it stays so. A
-        watcher is bounded by its queue instead (``too_slow``, daemon/watch.py): a pause
-        in reading under that bound is its right."""
+        """The peer is not reading (the kernel's socket buffer is full): dispatch no more
+        of its requests, and drop it if it stays so. A watcher is bounded by its queue
+        instead (``too_slow``, daemon/watch.py): a pause in reading under that bound is
+        its right."""
         self.writing_blocked = True
         self.update_reading()
         if self.subscription is not None and not self.finishing:
@@ -261,25 +303,95 @@ class Connection(asyncio.Protocol):
         if self.send_timer is not None:
             self.send_timer.cancel()
             self.send_timer = None
-        self.update_reading()
+        self.dispatch()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self.frame_timer, self.send_timer):
+        self.finishing = True  # the frames it sent that were not started never run
+        for timer in (self.frame_timer, self.send_timer, self.hello_timer):
             if timer is not None:
                 timer.cancel()
         self.server.closed(self)
+        if self.peer_pid is not None:
+            self.server.release_process(self.peer_pid)
         if self.subscription is not None:
             self.server.watch_hub.unsubscribe(self.subscription)
         if self.caller is not None:
             self.server.on_disconnect(self.caller)
 
+    # --- refusals on accept --------------------------------------------------------------
+
+    def refuse_unknown_peer(self, exc: OSError, pid: int | None = None) -> None:
+        """The kernel or /proc could not tell who connected (out of file descriptors?):
+        refuse rather than serve a caller without an identity."""
+        log.warning("peer_unknown", code="unavailable", peer_pid=pid, reason=str(exc))
+        self.refuse(
+            Unavailable(
+                "towerd cannot identify your process right now (out of file descriptors?); retry",
+                {"reason": "peer_unknown"},
+            )
+        )
+
+    def refuse_process_over_cap(self, pid: int) -> None:
+        limit = self.limits.max_connections_per_process
+        log.warning("connection_refused", code="unavailable", peer_pid=pid, per_process=limit)
+        self.refuse(
+            Unavailable(
+                f"process {pid} already has {limit} connections to towerd (the per-process "
+                "limit); close some, or retry later",
+                {"reason": "too_many_connections_per_process", "limit": limit, "pid": pid},
+            )
+        )
+
+    def hello_timed_out(self) -> None:
+        """A connection that has not said hello within the deadline only holds a slot."""
+        self.hello_timer = None
+        if self.finishing or self.caller is None or self.caller.hello_done:
+            return
+        timeout = self.limits.hello_timeout
+        log.info("hello_refused", code="unauthorized", reason="no hello", timeout=timeout)
+        self.refuse(Unauthorized(f"no hello within {timeout:g} s; reconnect and send hello first"))
+
     # --- requests ------------------------------------------------------------------------
+
+    def dispatch(self) -> None:
+        """Handle the complete frames held, one at a time, while this peer may start
+        another request. At the in-flight limit or with replies piling up unsent, the
+        rest wait in the decoder and reading pauses, until an answer completes or the
+        write buffer drains (both call this again)."""
+        started_new = False
+        while not self.finishing and self.may_dispatch():
+            frame = self.decoder.next_frame()
+            if frame is None:
+                break
+            started_new = True
+            self.handle_frame(frame)
+        if self.finishing:
+            return
+        if self.decoder.error is not None:
+            assert self.caller is not None
+            log.info(
+                "frame_refused",
+                code="frame_too_large",
+                length=self.decoder.error.length,
+                peer_pid=self.caller.pid,
+            )
+            self.refuse(FrameTooLarge(str(self.decoder.error)))
+            return
+        self.update_reading()
+        self.watch_frame_time(started_new=started_new)
+
+    def may_dispatch(self) -> bool:
+        """False at the in-flight limit, or with replies waiting unsent; a watcher's
+        answers (all ``conflict``) are capped by its queue bound instead (``send``)."""
+        if self.in_flight >= self.limits.max_in_flight:
+            return False
+        return not self.writing_blocked or self.subscription is not None
 
     def handle_frame(self, frame: bytes) -> None:
         try:
             request = decode_request(frame)
         except MalformedRequest as exc:
-            log.info("frame_refused", code=exc.code, reason=exc.message)
+            log.info("frame_refused", code=exc.code, reason=clip(exc.message, LOG_REASON_LIMIT))
             self.refuse(exc, exc.request_id)
             return
         assert self.caller is not None
@@ -293,7 +405,7 @@ class Connection(asyncio.Protocol):
         try:
             handler = self.handlers.table.get(request.method)
             if handler is None:
-                raise UnknownMethod(f"unknown method {request.method!r}")
+                raise UnknownMethod(f"unknown method {quoted(request.method)}")
             outcome = handler(self.caller, decode_params(request.method, request))
         except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
             self.answer_failure(request, exc, started)
@@ -303,7 +415,6 @@ class Connection(asyncio.Protocol):
             return
         future = asyncio.ensure_future(outcome)
         self.in_flight += 1
-        self.update_reading()
         future.add_done_callback(functools.partial(self.finished, request, started))
 
     def finished(self, request: Request, started: float, future: asyncio.Future[Any]) -> None:
@@ -314,10 +425,14 @@ class Connection(asyncio.Protocol):
             self.answer_failure(request, error, started)
         else:
             self.answer(request, future.result(), started)
-        if self.finishing and self.in_flight == 0:
+        self.after_answer()
+
+    def after_answer(self) -> None:
+        """An answer left the in-flight count: close if finishing, else dispatch more."""
+        if not self.finishing:
+            self.dispatch()
+        elif self.in_flight == 0:
             self.transport.close()
-        else:
-            self.update_reading()
 
     def answer(self, request: Request, result: Any, started: float) -> None:
         try:
@@ -339,16 +454,19 @@ class Connection(asyncio.Protocol):
         if self.server.trace_requests:
             log.debug("request", **self.context(request, started), code=code)
         if isinstance(exc, TowerdError):
-            self.send(encode_error(request.id, exc))
+            self.send(self.error_frame(request.id, exc))
             log.info(
                 "request_failed",
                 **self.context(request, started),
                 code=exc.code,
-                reason=exc.message,
+                reason=clip(exc.message, LOG_REASON_LIMIT),
             )
             return
+        crash = clip(repr(exc), LOG_REASON_LIMIT)
         self.send(
-            encode_error(request.id, Internal(f"internal error in {request.method}: {exc!r}"))
+            self.error_frame(
+                request.id, Internal(f"internal error in {clip(request.method)}: {crash}")
+            )
         )
         log.error(
             "request_crashed", **self.context(request, started), code="internal", exc_info=exc
@@ -380,11 +498,10 @@ class Connection(asyncio.Protocol):
     def answer_watch(self, request: Request, subscription: Subscription, started: float) -> None:
         """Register ``subscription`` and answer with its snapshot, in one loop step."""
         self.in_flight -= 1
-        if self.transport.is_closing() or self.subscription is not subscription:
-            return  # the watcher left before its turn
-        self.subscribe_and_answer(request, subscription, started)
-        if self.finishing and self.in_flight == 0:
-            self.transport.close()  # the peer half-closed or the daemon drains: answered, done
+        still_wanted = self.subscription is subscription and subscription.active
+        if still_wanted and not self.transport.is_closing():
+            self.subscribe_and_answer(request, subscription, started)
+        self.after_answer()  # the peer half-closed or the daemon drains: answered, done
 
     def subscribe_and_answer(
         self, request: Request, subscription: Subscription, started: float
@@ -425,10 +542,24 @@ class Connection(asyncio.Protocol):
         self.finish()
         asyncio.get_running_loop().call_later(self.limits.send_timeout, self.transport.abort)
 
+    def watcher_too_slow(self, subscription: Subscription, queued: int) -> None:
+        """The watch queue bound, applied to a frame other than a push (an answer to a
+        request the watcher sent); the same ``too_slow`` as WatchHub sends for pushes."""
+        hub = self.server.watch_hub
+        hub.unsubscribe(subscription)
+        limit = hub.max_queued_bytes
+        log.warning("watcher_too_slow", code="too_slow", queued_bytes=queued, seq=subscription.seq)
+        error = TooSlow(
+            f"this watcher fell {queued} bytes behind (limit {limit}) at seq "
+            f"{subscription.seq}; reconnect and watch again for a fresh snapshot",
+            {"seq": subscription.seq, "queued_bytes": queued, "limit": limit},
+        )
+        self.close_after(encode_error(subscription.request_id, error))
+
     def context(self, request: Request, started: float) -> dict[str, Any]:
         caller = self.caller
         return {
-            "method": request.method,
+            "method": clip(request.method),
             "request_id": request.id,
             "principal": caller.principal if caller else None,
             "peer_pid": caller.pid if caller else None,
@@ -439,7 +570,7 @@ class Connection(asyncio.Protocol):
         """The first request: hello, or the connection closes."""
         if request.method != "hello":
             error: TowerdError = Unauthorized(
-                f"the first request on a connection must be hello, not {request.method!r}"
+                f"the first request on a connection must be hello, not {quoted(request.method)}"
             )
         else:
             try:
@@ -451,6 +582,9 @@ class Connection(asyncio.Protocol):
                     caller.principal = f"uid:{os.geteuid()}:{params.principal or DEFAULT_PRINCIPAL}"
                     self.send(encode_result(request.id, self.handlers.hello(caller, params)))
                     caller.hello_done = True
+                    if self.hello_timer is not None:
+                        self.hello_timer.cancel()
+                        self.hello_timer = None
                     return
                 error = ProtocolMismatch(
                     f"client speaks protocol {params.protocol}, this daemon speaks protocol "
@@ -458,7 +592,7 @@ class Connection(asyncio.Protocol):
                     "both run the same towerd version",
                     {"client_protocol": params.protocol, "daemon_protocol": PROTOCOL_VERSION},
                 )
-        log.info("hello_refused", code=error.code, reason=error.message)
+        log.info("hello_refused", code=error.code, reason=clip(error.message, LOG_REASON_LIMIT))
         self.refuse(error, request.id)
 
     # --- output and flow control ---------------------------------------------------------
@@ -467,20 +601,25 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport.is_closing():
             return  # the peer left; it retries with its keys if it cares
+        subscription = self.subscription
+        if subscription is not None and subscription.active:
+            # A watcher's backlog is bounded by its queue, for every frame it is sent.
+            queued = transport.get_write_buffer_size()
+            if queued > self.server.watch_hub.max_queued_bytes:
+                self.watcher_too_slow(subscription, queued)
+                return
+            transport.write(frame)
+            return
         transport.write(frame)
-        if self.subscription is not None:
-            return  # a watcher's backlog is bounded by its queue (too_slow), not here
         if transport.get_write_buffer_size() > self.limits.max_outbound_bytes:
-            log.warning(
-                "peer_not_reading",
-                code="unavailable",
-                outbound_bytes=transport.get_write_buffer_size(),
-            )
-            transport.abort()
+            self.drop(outbound_bytes=transport.get_write_buffer_size())
+
+    def error_frame(self, request_id: int, error: TowerdError) -> bytes:
+        return error_reply(request_id, error, self.limits.max_frame + RESPONSE_SLACK)
 
     def refuse(self, error: TowerdError, request_id: int = FRAME_ERROR_ID) -> None:
         """One error frame, then close once the requests in flight are answered."""
-        self.send(encode_error(request_id, error))
+        self.send(self.error_frame(request_id, error))
         self.finish()
 
     def finish(self) -> None:
@@ -491,9 +630,7 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def update_reading(self) -> None:
-        want = not (
-            self.finishing or self.writing_blocked or self.in_flight >= self.limits.max_in_flight
-        )
+        want = not self.finishing and self.may_dispatch()
         if want == self.reading or self.transport.is_closing():
             return
         self.reading = want
@@ -526,8 +663,53 @@ class Connection(asyncio.Protocol):
         self.refuse(BadFrame(f"a frame was started but not completed within {timeout} s"))
 
     def drop_non_reader(self) -> None:
-        log.warning("peer_not_reading", code="unavailable", send_timeout=self.limits.send_timeout)
+        self.drop(send_timeout=self.limits.send_timeout)
+
+    def drop(self, **why: Any) -> None:
+        """Cut off a peer that does not read its replies: no error frame (it would not
+        read it), and nothing more of what it sent is dispatched."""
+        log.warning("peer_not_reading", code="unavailable", **why)
+        self.finishing = True
         self.transport.abort()
+
+
+class _CutError(TowerdError):
+    """An error re-sent with its message cut to fit the reply limit."""
+
+    def __init__(self, code: str, message: str, data: dict[str, Any] | None) -> None:
+        super().__init__(message, data)
+        self.code = code
+
+
+def error_reply(request_id: int, error: TowerdError, limit: int) -> bytes:
+    """``error`` as a frame of at most ``limit`` bytes: over it, its message is cut to fit
+    (the cut marked), and if its data alone is too large, the data is left out."""
+    frame = encode_error(request_id, error)
+    if len(frame) <= limit:
+        return frame
+    message = error.message.encode()
+    mark = f"… [cut: {len(error.message)} characters, over the reply limit]"
+    keep = max(0, len(message) - (len(frame) - limit) - len(mark.encode()) - 8)
+    cut = message[:keep].decode("utf-8", "ignore") + mark
+    frame = encode_error(request_id, _CutError(error.code, cut, error.data))
+    if len(frame) <= limit:
+        return frame
+    bare = f"{clip(error.message)} [its data was left out: over the reply limit]"
+    return encode_error(request_id, _CutError(error.code, bare, None))
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``text`` cut to ``limit`` characters, the cut marked with the original length."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… [cut: {len(text)} characters]"
+
+
+def quoted(text: str, limit: int = ECHO_LIMIT) -> str:
+    """``repr(text)`` for a message, cut to ``limit`` characters with the cut marked."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… [cut: {len(text)} characters]"
 
 
 def decode_params(method: str, request: Request) -> Any:

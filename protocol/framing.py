@@ -60,6 +60,35 @@ class FrameDecoder:
         """True while a frame has started but not finished."""
         return bool(self._buffer) or self._need is not None
 
+    def append(self, data: bytes) -> None:
+        """Buffer ``data`` without decoding it: take frames out one at a time with
+        :meth:`next_frame`, so a reader under backpressure can stop between frames."""
+        if self.error is None:
+            self._buffer += data
+
+    def next_frame(self) -> bytes | None:
+        """The next complete frame payload, or None until more bytes arrive. A length
+        prefix over the limit sets ``error`` (and returns None), as in :meth:`feed`."""
+        if self.error is not None:
+            return None
+        buffer = self._buffer
+        if self._need is None:
+            if len(buffer) < PREFIX_SIZE:
+                return None
+            (length,) = PREFIX.unpack_from(buffer)
+            if length > self.max_frame:
+                self.error = FrameTooLargeError(length, self.max_frame)
+                buffer.clear()
+                return None
+            del buffer[:PREFIX_SIZE]  # O(1): CPython moves a bytearray's start
+            self._need = length
+        if len(buffer) < self._need:
+            return None
+        payload = bytes(buffer[: self._need])
+        del buffer[: self._need]
+        self._need = None
+        return payload
+
     def feed(self, data: bytes) -> list[bytes]:
         if self.error is not None:
             return []
