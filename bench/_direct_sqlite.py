@@ -47,12 +47,18 @@ _COMPLETE = """UPDATE idempotency SET state = 'completed', result = ?, updated_a
 
 
 def idempotency_ddl() -> list[str]:
-    """towerd's own CREATE statements for the idempotency table and its index."""
+    """towerd's own CREATE statements for the idempotency table, its indexes and its
+    quota counter (the table and triggers): the same schema, so the same work per row."""
     return [
         statement
         for migration in MIGRATIONS
         for statement in migration.statements
-        if "idempotency" in statement and statement.lstrip().upper().startswith("CREATE")
+        if statement.lstrip().upper().startswith("CREATE")
+        and (
+            "TABLE idempotency" in statement
+            or " ON idempotency" in statement
+            or statement.lstrip().startswith("CREATE TABLE quota_usage")
+        )
     ]
 
 

@@ -221,7 +221,9 @@ class Handlers:
     def session_register(
         self, caller: Caller, params: m.SessionRegisterParams
     ) -> Future[m.SessionRegisterResult]:
-        return self.store.write(fleet.register_session, caller.principal, params, caller.holder)
+        return self.store.write(
+            fleet.register_session, caller.principal, params, caller.holder, self._quota
+        )
 
     def session_update(self, caller: Caller, params: m.SessionUpdateParams) -> Future[m.SessionRow]:
         return self.store.write(fleet.update_session, params)
@@ -270,7 +272,7 @@ class Handlers:
                     "as it runs; pass your shell's pid ($$), a child's ($!), or none",
                     {"holder_pid": params.holder_pid, "caller_pid": caller.pid},
                 )
-        claimed = self.store.write(idempotency.claim, caller.principal, params, holder)
+        claimed = self.store.write(idempotency.claim, caller.principal, params, holder, self._quota)
         if holder is not None and holder == caller.holder:
             claimed.add_done_callback(functools.partial(_note_own_claim, caller))
         return claimed
@@ -337,7 +339,12 @@ class Handlers:
         return _holding(
             caller,
             self.store.write(
-                leases.acquire, caller.principal, caller.holder, params.resource, params.ttl_ms
+                leases.acquire,
+                caller.principal,
+                caller.holder,
+                params.resource,
+                params.ttl_ms,
+                self._quota,
             ),
         )
 
@@ -374,7 +381,12 @@ class Handlers:
         return _holding(
             caller,
             self.store.write(
-                effects.claim, caller.principal, caller.holder, params, self.info.branch_prefix
+                effects.claim,
+                caller.principal,
+                caller.holder,
+                params,
+                self.info.branch_prefix,
+                self._quota,
             ),
         )
 
@@ -536,6 +548,8 @@ class Handlers:
             params.key,
             params.value,
             self.info.kv_max_value,
+            caller.principal,
+            self._quota,
         )
 
     def kv_get(self, caller: Caller, params: m.KvKeyParams) -> m.KvEntry:
@@ -566,6 +580,8 @@ class Handlers:
             params.agent_session_id,
             params.payload,
             self.info.event_max_payload,
+            caller.principal,
+            self._quota,
         )
 
     async def event_list(self, caller: Caller, params: m.EventListParams) -> m.EventListResult:
@@ -587,7 +603,7 @@ class Handlers:
     def session_message(
         self, caller: Caller, params: m.SessionMessageParams
     ) -> Future[m.SessionMessageResult]:
-        return self.store.write(messages.send, caller.principal, params, caller.holder)
+        return self.store.write(messages.send, caller.principal, params, caller.holder, self._quota)
 
     async def message_list(
         self, caller: Caller, params: m.MessageListParams
@@ -610,6 +626,11 @@ class Handlers:
 
     async def fleet_restore_plan(self, caller: Caller, params: m.Empty) -> m.RestorePlanResult:
         return self._fitted(await self.store.read(events.restore_plan))
+
+    @property
+    def _quota(self) -> int:
+        """Rows per principal and table (``towerd --quota``; daemon/store/quota.py)."""
+        return self.store.config.quota_rows
 
     def _fitted(self, result: Any, *, keep: str = "first") -> Any:
         """Cut a result's one list to fit a frame, flagging ``truncated``: these answers

@@ -80,6 +80,10 @@ class DaemonConfig:
     event_max_payload: int = DEFAULT_EVENT_MAX_PAYLOAD
     event_retention_days: float = 30.0
     events_per_session: int = 5000
+    events_per_principal: int = 100_000
+    message_retention_days: float = 30.0
+    effect_retention_days: float = 30.0
+    quota_rows: int = 1_000_000
     watch_max_queue: int = DEFAULT_MAX_QUEUED_BYTES
 
 
@@ -153,6 +157,10 @@ async def _open_and_serve(
         retention_ms=int(config.retention_days * 86_400_000),
         event_retention_ms=int(config.event_retention_days * 86_400_000),
         events_per_session=config.events_per_session,
+        events_per_principal=config.events_per_principal,
+        message_retention_ms=int(config.message_retention_days * 86_400_000),
+        effect_retention_ms=int(config.effect_retention_days * 86_400_000),
+        quota_rows=config.quota_rows,
         new_store=config.new_store,
     )
     async with open_store(store_config) as store:
@@ -446,6 +454,37 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         help="hook events kept per session, newest first (default 5000)",
     )
     parser.add_argument(
+        "--events-per-principal",
+        type=int,
+        default=100_000,
+        metavar="N",
+        help="hook events kept per principal, newest first (default 100000)",
+    )
+    parser.add_argument(
+        "--message-retention-days",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="messages sent longer ago are pruned, whatever their status (default 30)",
+    )
+    parser.add_argument(
+        "--effect-retention-days",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="committed, failed and aborted effects settled longer ago are pruned; a claim "
+        "of a pruned effect runs it again (default 30)",
+    )
+    parser.add_argument(
+        "--quota",
+        type=int,
+        default=1_000_000,
+        metavar="ROWS",
+        dest="quota_rows",
+        help="rows one principal may have in each of the idempotency, kv, messages, events, "
+        "effects, leases and lease_tokens tables; past it, quota_exceeded (default 1000000)",
+    )
+    parser.add_argument(
         "--watch-max-queue",
         type=int,
         default=DEFAULT_MAX_QUEUED_BYTES,
@@ -485,6 +524,10 @@ def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace
         event_max_payload=args.event_max_payload,
         event_retention_days=args.event_retention_days,
         events_per_session=args.events_per_session,
+        events_per_principal=args.events_per_principal,
+        message_retention_days=args.message_retention_days,
+        effect_retention_days=args.effect_retention_days,
+        quota_rows=args.quota_rows,
         watch_max_queue=args.watch_max_queue,
     )
     return config, args

@@ -162,6 +162,8 @@ async def expire_periodically(store: Store, interval: float, upkeep: Upkeep) -> 
 
 
 async def expire_once(store: Store) -> None:
+    """Expire, prune, then give the freed pages back to the file system. Client rows are
+    pruned and pages returned in writer jobs of bounded size, so requests get in between."""
     expired = await store.write(idempotency.expire_completed, store.config.completed_ttl_ms)
     if expired:
         log.info("keys_expired", count=expired)
@@ -171,9 +173,23 @@ async def expire_once(store: Store) -> None:
         config.retention_ms,
         config.event_retention_ms,
         config.events_per_session,
+        config.events_per_principal,
     )
+    while True:
+        batch = await store.write(
+            retention.prune_client_rows, config.message_retention_ms, config.effect_retention_ms
+        )
+        for name, count in batch.items():
+            pruned[name] = pruned.get(name, 0) + count
+        if not retention.more_to_prune(batch):
+            break
     if any(pruned.values()):
         log.info("history_pruned", **pruned)
+    returned = 0
+    while step := await store.write(retention.vacuum_step):
+        returned += step
+    if returned:
+        log.info("pages_returned", pages=returned)
 
 
 CHECKPOINT_MIN_WAL_BYTES = 4 * 1024 * 1024

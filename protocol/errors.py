@@ -114,6 +114,13 @@ class StorageFull(TowerdError):
     code = "storage_full"
 
 
+class QuotaExceeded(TowerdError):
+    """The principal has as many rows of a table as ``--quota`` allows; nothing was
+    written. ``data``: ``table``, ``limit``, ``rows``, ``principal``."""
+
+    code = "quota_exceeded"
+
+
 class Unavailable(TowerdError):
     """The daemon cannot be reached, or is shutting down."""
 
@@ -239,6 +246,7 @@ _CLASSES: dict[str, type[TowerdError]] = {
         OutcomeUnknown,
         IdempotencyKeyUnknown,
         StorageFull,
+        QuotaExceeded,
         Unavailable,
         Internal,
         LeaseHeld,

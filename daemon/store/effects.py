@@ -13,6 +13,11 @@ Fixes over the reference ledger: claim is one transaction (two claimers cannot
 both win); abort and fail are guarded by status and attempt like commit; a
 stale in-flight effect is parked, never silently re-armed, unless its kind is
 local and safe to redo.
+
+Settled effects (committed, failed, aborted) are pruned once settled for longer than
+``--effect-retention-days``; a claim of a pruned effect then runs it again, like a
+completed idempotency key after ``--completed-ttl``. In-flight and uncertain effects
+are never pruned.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import msgspec
 from msgspec.structs import asdict
 
 from towerd.daemon.processes import is_alive
-from towerd.daemon.store import leases
+from towerd.daemon.store import leases, quota
 from towerd.daemon.store.idempotency import Holder, log_operator_action, payload_hash
 from towerd.daemon.store.tx import Refused, Tx, note, pack, unpack
 from towerd.protocol import naming
@@ -152,6 +157,7 @@ def claim(
     holder: Holder | None,
     params: EffectClaimParams,
     prefix: str = naming.DEFAULT_PREFIX,
+    quota_rows: int = quota.DEFAULT_ROWS,
 ) -> EffectClaimResult | Refused:
     key = naming.effect_key(params.run_id, params.step_id, params.action_kind, params.target_ref)
     digest = payload_hash(params.payload)
@@ -187,10 +193,14 @@ def claim(
                 )
             # A local effect (this run's own branch or commit) is safe to take over.
         # failed / aborted / a stale local effect: a new attempt runs it afresh.
+    if existing is None or existing.principal != principal:  # a row for this principal
+        quota.require_room(tx, principal, "effects", quota_rows)
     resource = token = lease_expires = None
     if naming.effect_requires_lease(params.action_kind, params.target_ref, params.run_id, prefix):
         try:
-            granted = leases.acquire(tx, principal, holder, params.target_ref, params.lease_ttl_ms)
+            granted = leases.acquire(
+                tx, principal, holder, params.target_ref, params.lease_ttl_ms, quota_rows
+            )
         except LeaseHeld as exc:
             raise EffectLeaseHeld(
                 f"{params.target_ref} is leased by another holder; nothing was recorded",
@@ -409,3 +419,15 @@ def committed_evidence(tx: Tx, effect_ref: str) -> dict[str, Any] | None:
     if effect is None or effect.record.status != "committed":
         return None
     return {"effect_key": effect_ref, "receipt": effect.record.receipt}
+
+
+def prune_settled(tx: Tx, cutoff: int, limit: int) -> int:
+    """Up to ``limit`` effects settled before ``cutoff``; in-flight and uncertain ones
+    stay whatever their age."""
+    return tx.conn.execute(
+        """DELETE FROM effects WHERE rowid IN (
+               SELECT rowid FROM effects
+               WHERE status IN ('committed', 'failed', 'aborted') AND completed_at < ?
+               LIMIT ?)""",
+        (cutoff, limit),
+    ).rowcount

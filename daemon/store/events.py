@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from towerd.daemon.store import fleet
+from towerd.daemon.store import fleet, quota
 from towerd.daemon.store.tx import Tx, note, pack, take_page, unpack
 from towerd.protocol.errors import BadArgs, NotFound
 from towerd.protocol.methods import (
@@ -45,10 +45,14 @@ def record(
     agent_session_id: str | None,
     payload: Any,
     max_payload: int,
+    principal: str | None = None,
+    quota_rows: int = quota.DEFAULT_ROWS,
 ) -> EventRecordResult:
     """File one event. A session id must be one of this daemon's sessions; without one,
     or with one it does not know but an agent session id beside it, the agent session id
-    is matched to this daemon's session (or the event is filed under it alone)."""
+    is matched to this daemon's session (or the event is filed under it alone). The event
+    counts for ``principal``'s quota, which bounds every trail of one principal together
+    (agent session ids are the client's to choose)."""
     if session_id is None and agent_session_id is None:
         raise BadArgs("an event needs a session_id or an agent_session_id")
     row = None
@@ -75,10 +79,12 @@ def record(
             f"the event payload is {len(packed)} bytes as msgpack; the limit is {max_payload}",
             {"bytes": len(packed), "max_bytes": max_payload},
         )
+    quota.require_room(tx, principal, "events", quota_rows)
     event_id = tx.conn.execute(
-        """INSERT INTO events (session_id, agent_session_id, kind, at, payload, daemon_id)
-           VALUES (?, ?, ?, ?, ?, ?)""",
-        (session_id, agent_session_id, kind, tx.now, packed, tx.daemon_id),
+        """INSERT INTO events (session_id, agent_session_id, kind, at, payload, daemon_id,
+               principal)
+           VALUES (?, ?, ?, ?, ?, ?, ?)""",
+        (session_id, agent_session_id, kind, tx.now, packed, tx.daemon_id, principal),
     ).lastrowid
     assert event_id is not None
     note(tx, "events", TrailEvent(event_id, session_id, agent_session_id, kind, tx.now, payload))
@@ -228,9 +234,13 @@ def restore_plan(tx: Tx) -> RestorePlanResult:
     return RestorePlanResult(sessions=plan)
 
 
-def prune(tx: Tx, cutoff: int, per_session: int) -> int:
-    """Events older than ``cutoff``, and beyond the newest ``per_session`` of a session."""
+def prune(tx: Tx, cutoff: int, per_session: int, per_principal: int | None = None) -> int:
+    """Events older than ``cutoff``, beyond the newest ``per_session`` of a session (and of
+    an agent session id), and beyond the newest ``per_principal`` of a principal: so
+    events filed under ever new agent session ids are bounded too."""
     pruned = tx.conn.execute("DELETE FROM events WHERE at < ?", (cutoff,)).rowcount
+    if per_principal is not None:
+        pruned += _prune_per_principal(tx, per_principal)
     for column in ("session_id", "agent_session_id"):
         crowded = tx.conn.execute(
             f"SELECT {column} FROM events WHERE {column} IS NOT NULL "
@@ -244,4 +254,20 @@ def prune(tx: Tx, cutoff: int, per_session: int) -> int:
                         ORDER BY event_id DESC LIMIT 1 OFFSET ?)""",
                 (owner, owner, per_session - 1),
             ).rowcount
+    return pruned
+
+
+def _prune_per_principal(tx: Tx, keep: int) -> int:
+    """The oldest events of each principal that has more than ``keep`` (its count is read
+    from the quota counters, not counted)."""
+    crowded = tx.conn.execute(
+        "SELECT principal, rows FROM quota_usage WHERE tbl = 'events' AND rows > ?", (keep,)
+    ).fetchall()
+    pruned = 0
+    for principal, rows in crowded:
+        pruned += tx.conn.execute(
+            """DELETE FROM events WHERE event_id IN (
+                   SELECT event_id FROM events WHERE principal = ? ORDER BY event_id LIMIT ?)""",
+            (principal, rows - keep),
+        ).rowcount
     return pruned

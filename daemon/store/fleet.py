@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from towerd.daemon.store import quota
 from towerd.daemon.store.idempotency import Holder, log_operator_action, once_under_key
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
@@ -468,14 +469,23 @@ REGISTER_OPERATION = "session.register"
 
 
 def register_session(
-    tx: Tx, principal: str, params: SessionRegisterParams, holder: Holder | None
+    tx: Tx,
+    principal: str,
+    params: SessionRegisterParams,
+    holder: Holder | None,
+    quota_rows: int = quota.DEFAULT_ROWS,
 ) -> SessionRegisterResult:
     """Insert one row; with an idempotency key, claim + insert + complete in this one
-    transaction, so a retry answers the same session id and never inserts twice."""
+    transaction, so a retry answers the same session id and never inserts twice. A new
+    key counts for the principal's quota, checked before the row is inserted."""
     if params.idempotency_key is None:
         return SessionRegisterResult(session_id=insert_session(tx, params))
+
+    def create() -> dict[str, str]:
+        quota.require_room(tx, principal, "idempotency", quota_rows)
+        return {"session_id": insert_session(tx, params)}
+
     result = once_under_key(
-        tx, principal, REGISTER_OPERATION, params, holder,
-        lambda: {"session_id": insert_session(tx, params)}, "session_id", "a registration",
-    )  # fmt: skip
+        tx, principal, REGISTER_OPERATION, params, holder, create, "session_id", "a registration"
+    )
     return SessionRegisterResult(session_id=result["session_id"])

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 from towerd.daemon.processes import Holder
+from towerd.daemon.store import quota
 from towerd.daemon.store.tx import (
     PAGE_BYTES,
     Tx,
@@ -155,13 +156,18 @@ def _refuse_unsettled(row: _Row, caller: Holder | None) -> None:
 
 
 def claim(
-    tx: Tx, principal: str, params: IdemClaimParams, holder: Holder | None
+    tx: Tx,
+    principal: str,
+    params: IdemClaimParams,
+    holder: Holder | None,
+    quota_rows: int = quota.DEFAULT_ROWS,
 ) -> IdemClaimResult:
     """Claim a key, or answer what it already holds (checked in the documented order).
 
     A retry carrying the same ``attempt`` token as the claim that created an
     ``in_progress`` key is that claim repeated (its answer was lost), so it is
-    answered ``claimed`` again. An ``outcome_unknown`` key is never re-claimed.
+    answered ``claimed`` again. An ``outcome_unknown`` key is never re-claimed. A new
+    key past the principal's quota is refused ``quota_exceeded``, a replay never is.
     """
     digest = payload_hash(params.payload)
     row = _load(tx, principal, params.operation, params.key)
@@ -183,6 +189,7 @@ def claim(
             "(replay_only: nothing recorded)",
             {"operation": params.operation, "key": params.key},
         )
+    quota.require_room(tx, principal, "idempotency", quota_rows)
     effect_ref = params.effect_ref or str(uuid.uuid4())
     insert(
         tx,

@@ -10,12 +10,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from towerd.daemon.store import quota
 from towerd.daemon.store.tx import Tx, pack, take_page, unpack
 from towerd.protocol.errors import BadArgs, NotFound
 from towerd.protocol.methods import KvDeleteResult, KvEntry, KvListResult
 
 
-def set_value(tx: Tx, scope: str, scope_id: str, key: str, value: Any, max_bytes: int) -> KvEntry:
+def set_value(
+    tx: Tx,
+    scope: str,
+    scope_id: str,
+    key: str,
+    value: Any,
+    max_bytes: int,
+    principal: str | None = None,
+    quota_rows: int = quota.DEFAULT_ROWS,
+) -> KvEntry:
+    """Write a value; a new row counts for ``principal`` (who created it keeps it, whoever
+    overwrites it later), so one past its quota is refused, an overwrite never is."""
     packed = pack(value)
     if len(packed) > max_bytes:
         raise BadArgs(
@@ -23,13 +35,26 @@ def set_value(tx: Tx, scope: str, scope_id: str, key: str, value: Any, max_bytes
             f"the limit is {max_bytes}",
             {"bytes": len(packed), "max_bytes": max_bytes},
         )
+    quota.require_room(
+        tx, principal, "kv", quota_rows, lambda: not _exists(tx, scope, scope_id, key)
+    )
     tx.conn.execute(
-        """INSERT INTO kv (scope, scope_id, key, value, updated_at) VALUES (?, ?, ?, ?, ?)
+        """INSERT INTO kv (scope, scope_id, key, value, updated_at, principal)
+           VALUES (?, ?, ?, ?, ?, ?)
            ON CONFLICT (scope, scope_id, key)
            DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at""",
-        (scope, scope_id, key, packed, tx.now),
+        (scope, scope_id, key, packed, tx.now, principal),
     )
     return KvEntry(scope, scope_id, key, value, tx.now)
+
+
+def _exists(tx: Tx, scope: str, scope_id: str, key: str) -> bool:
+    return (
+        tx.conn.execute(
+            "SELECT 1 FROM kv WHERE scope = ? AND scope_id = ? AND key = ?", (scope, scope_id, key)
+        ).fetchone()
+        is not None
+    )
 
 
 def get_value(tx: Tx, scope: str, scope_id: str, key: str) -> KvEntry:

@@ -6,6 +6,12 @@ fencing token for the resource from ``lease_tokens``, which outlives the
 lease itself, so a token is never issued twice: not after a release, an
 expiry, or a daemon restart (the grant and the counter commit together, and
 nobody hears of a token before that commit).
+
+Retention keeps both tables bounded: a lease row that lapsed long ago goes, and
+so does the token record of a resource that no lease and no in-flight effect
+uses any more. Before a token record goes, its token raises a global floor in
+``meta``; a resource with no record starts above that floor, so it too never
+sees a token again.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 from msgspec.structs import asdict
 
 from towerd.daemon.processes import is_alive
-from towerd.daemon.store import audit
+from towerd.daemon.store import audit, quota
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import LeaseExpired, LeaseHeld, LeaseNotFound, LeaseSuperseded
@@ -73,21 +79,50 @@ def load(tx: Tx, resource: str) -> Lease | None:
     return Lease(resource, token, principal, holder, acquired, renewed, expires)
 
 
-def last_token(tx: Tx, resource: str) -> int:
+def _token_record(tx: Tx, resource: str) -> int | None:
     row = tx.conn.execute(
         "SELECT last_token FROM lease_tokens WHERE resource = ?", (resource,)
     ).fetchone()
-    return 0 if row is None else row[0]
+    return None if row is None else row[0]
 
 
-def _issue_token(tx: Tx, resource: str) -> int:
-    token = last_token(tx, resource) + 1
+def last_token(tx: Tx, resource: str) -> int:
+    """The last token issued for ``resource`` (exact while it has a record: a resource
+    with a lease or an in-flight effect always has one)."""
+    return _token_record(tx, resource) or 0
+
+
+TOKEN_FLOOR = "lease_token_floor"  # meta key: every pruned record's token is at most this
+
+
+def token_floor(tx: Tx) -> int:
+    row = tx.conn.execute("SELECT value FROM meta WHERE key = ?", (TOKEN_FLOOR,)).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def _issue_token(tx: Tx, resource: str, principal: str) -> int:
+    """The next token: after the resource's record, or above the floor without one (its
+    record may have been pruned). A new record counts for ``principal``."""
+    last = _token_record(tx, resource)
+    token = (token_floor(tx) if last is None else last) + 1
     tx.conn.execute(
-        """INSERT INTO lease_tokens (resource, last_token) VALUES (?, ?)
+        """INSERT INTO lease_tokens (resource, last_token, principal) VALUES (?, ?, ?)
            ON CONFLICT (resource) DO UPDATE SET last_token = excluded.last_token""",
-        (resource, token),
+        (resource, token, principal),
     )
     return token
+
+
+def _require_room(
+    tx: Tx, principal: str, resource: str, current: Lease | None, quota_rows: int
+) -> None:
+    """A grant adds a lease row for ``principal`` (unless it takes over its own lapsed
+    one) and maybe a token record: both within its quota, checked before any write."""
+    if current is None or current.principal != principal:
+        quota.require_room(tx, principal, "leases", quota_rows)
+    quota.require_room(
+        tx, principal, "lease_tokens", quota_rows, lambda: _token_record(tx, resource) is None
+    )
 
 
 def _held_error(lease: Lease, now: int) -> LeaseHeld:
@@ -99,7 +134,12 @@ def _held_error(lease: Lease, now: int) -> LeaseHeld:
 
 
 def acquire(
-    tx: Tx, principal: str, holder: Holder | None, resource: str, ttl_ms: int
+    tx: Tx,
+    principal: str,
+    holder: Holder | None,
+    resource: str,
+    ttl_ms: int,
+    quota_rows: int = quota.DEFAULT_ROWS,
 ) -> LeaseAcquireResult:
     """Grant the lease, or extend it (same token) for its current holder."""
     current = load(tx, resource)
@@ -114,7 +154,8 @@ def acquire(
         return LeaseAcquireResult(
             resource, current.token, expires_at, describe_holder(principal, holder), True
         )
-    token = _issue_token(tx, resource)
+    _require_room(tx, principal, resource, current, quota_rows)
+    token = _issue_token(tx, resource, principal)
     _write(tx, resource, token, principal, holder, expires_at)
     _audit(
         tx, "lease-granted", resource, token, principal, holder,
@@ -128,8 +169,12 @@ def acquire(
 def _write(
     tx: Tx, resource: str, token: int, principal: str, holder: Holder | None, expires_at: int
 ) -> None:
+    """The lease row, replacing a lapsed one: deleted, then inserted, so the quota
+    counters' triggers see both (REPLACE fires delete triggers only with
+    recursive_triggers on)."""
+    tx.conn.execute("DELETE FROM leases WHERE resource = ?", (resource,))
     tx.conn.execute(
-        f"""INSERT OR REPLACE INTO leases ({_COLUMNS}, daemon_id)
+        f"""INSERT INTO leases ({_COLUMNS}, daemon_id)
             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
         (
             resource,
@@ -286,3 +331,42 @@ def release_held_by(tx: Tx, holder: Holder, reason: str, caused_by: str | None =
             actor=audit.DAEMON_ACTOR, caused_by=caused_by, reason=reason,
         )  # fmt: skip
     return [resource for resource, _token, _principal in rows]
+
+
+# --- retention ----------------------------------------------------------------------------
+
+
+def prune_lapsed(tx: Tx, cutoff: int, limit: int) -> int:
+    """Up to ``limit`` lease rows whose deadline passed before ``cutoff`` (a renew or
+    release of one then hears ``lease_not_found`` instead of ``lease_expired``; an
+    in-flight effect's heartbeat writes its row again, under its still-newest token)."""
+    return tx.conn.execute(
+        """DELETE FROM leases WHERE resource IN (
+               SELECT resource FROM leases WHERE expires_at < ? LIMIT ?)""",
+        (cutoff, limit),
+    ).rowcount
+
+
+def prune_tokens(tx: Tx, limit: int) -> int:
+    """Up to ``limit`` token records of resources that have no lease row and no in-flight
+    effect fenced on them; the floor rises to the highest token pruned, in the same
+    transaction, so no resource is ever issued a token again."""
+    pruned = tx.conn.execute(
+        """DELETE FROM lease_tokens WHERE resource IN (
+               SELECT resource FROM lease_tokens
+               WHERE resource NOT IN (SELECT resource FROM leases)
+                 AND resource NOT IN (
+                     SELECT lease_resource FROM effects
+                     WHERE status = 'in_flight' AND lease_resource IS NOT NULL)
+               LIMIT ?)
+           RETURNING last_token""",
+        (limit,),
+    ).fetchall()
+    if pruned:
+        floor = max(token_floor(tx), *(token for (token,) in pruned))
+        tx.conn.execute(
+            """INSERT INTO meta (key, value) VALUES (?, ?)
+               ON CONFLICT (key) DO UPDATE SET value = excluded.value""",
+            (TOKEN_FLOOR, str(floor)),
+        )
+    return len(pruned)

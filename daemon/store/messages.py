@@ -7,6 +7,8 @@ message id and never stores a second copy. A key left ``outcome_unknown`` (an
 by reconciliation's evidence probe (``reconcile.EVIDENCE_PROBES``): the message row
 named by its effect_ref.
 Status only moves forward: queued, delivered, read.
+Messages older than the retention (``--message-retention-days``, by when they were
+sent, whatever their status) are pruned with the expiry sweep (:func:`prune`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import uuid
 
 import msgspec
 
+from towerd.daemon.store import quota
 from towerd.daemon.store.idempotency import Holder, once_under_key
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import Conflict, NotFound
@@ -31,20 +34,32 @@ _COLUMNS = "message_id, session_id, agent_session_id, text, status, created_at, 
 
 
 def send(
-    tx: Tx, principal: str, params: SessionMessageParams, holder: Holder | None
+    tx: Tx,
+    principal: str,
+    params: SessionMessageParams,
+    holder: Holder | None,
+    quota_rows: int = quota.DEFAULT_ROWS,
 ) -> SessionMessageResult:
+    """Queue a message (a new row for ``principal``'s quota, and with a key a new key too:
+    both are checked before anything is written; a replay creates neither)."""
     if params.idempotency_key is None:
-        return SessionMessageResult(_insert(tx, params.session_id, params.text), "queued")
+        message_id = _insert(tx, principal, params.session_id, params.text, quota_rows)
+        return SessionMessageResult(message_id, "queued")
+
+    def create() -> dict[str, str]:
+        message_id = _insert(tx, principal, params.session_id, params.text, quota_rows, keyed=True)
+        return {"message_id": message_id, "status": "queued"}
+
     result = once_under_key(
-        tx, principal, MESSAGE_OPERATION, params, holder,
-        lambda: {"message_id": _insert(tx, params.session_id, params.text), "status": "queued"},
-        "message_id", "a message",
-    )  # fmt: skip
+        tx, principal, MESSAGE_OPERATION, params, holder, create, "message_id", "a message"
+    )
     current = _load(tx, result["message_id"])  # a retry reports where it stands now
     return SessionMessageResult(result["message_id"], current.status if current else "queued")
 
 
-def _insert(tx: Tx, session_id: str, text: str) -> str:
+def _insert(
+    tx: Tx, principal: str, session_id: str, text: str, quota_rows: int, *, keyed: bool = False
+) -> str:
     row = tx.conn.execute(
         "SELECT agent_session_id FROM sessions WHERE session_id = ? AND daemon_id = ?",
         (session_id, tx.daemon_id),
@@ -53,11 +68,14 @@ def _insert(tx: Tx, session_id: str, text: str) -> str:
         raise NotFound(
             f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
         )
+    if keyed:  # the key is inserted after the message
+        quota.require_room(tx, principal, "idempotency", quota_rows)
+    quota.require_room(tx, principal, "messages", quota_rows)
     message_id = str(uuid.uuid4())
     tx.conn.execute(
-        f"""INSERT INTO messages ({_COLUMNS}, daemon_id)
-            VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)""",
-        (message_id, session_id, row[0], text, tx.now, tx.now, tx.daemon_id),
+        f"""INSERT INTO messages ({_COLUMNS}, daemon_id, principal)
+            VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)""",
+        (message_id, session_id, row[0], text, tx.now, tx.now, tx.daemon_id, principal),
     )
     return message_id
 
@@ -99,3 +117,12 @@ def ack(tx: Tx, message_id: str, status: str) -> MessageRecord:
         )
         current = msgspec.structs.replace(current, status=status, updated_at=tx.now)
     return current
+
+
+def prune(tx: Tx, cutoff: int, limit: int) -> int:
+    """Up to ``limit`` messages sent before ``cutoff``, oldest first."""
+    return tx.conn.execute(
+        """DELETE FROM messages WHERE rowid IN (
+               SELECT rowid FROM messages WHERE created_at < ? ORDER BY created_at LIMIT ?)""",
+        (cutoff, limit),
+    ).rowcount

@@ -6,20 +6,66 @@ recognise is refused, never reshaped: one stamped with a newer version, one
 that is not a towerd database, and one whose tables do not have the shape the
 ladder produces. Refusals raise :class:`StartRefused` before anything is
 written to the file.
+
+Every database ends up with ``auto_vacuum = INCREMENTAL`` (:func:`use_incremental_vacuum`),
+so that what retention deletes can be handed back to the file system
+(``retention.vacuum_step``).
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import StartRefused
 
+log = structlog.get_logger("towerd.store")
+
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
+
+
+# The tables whose rows a principal can create without bound, each counted per principal
+# in ``quota_usage`` by triggers (daemon/store/quota.py). Step 6 below is frozen: a new
+# counted table is a new step, not an edit of this tuple.
+_COUNTED_IN_STEP_6 = (
+    "idempotency",
+    "kv",
+    "messages",
+    "events",
+    "effects",
+    "leases",
+    "lease_tokens",
+)
+
+
+def _counter_triggers(table: str) -> tuple[str, ...]:
+    """Triggers keeping ``quota_usage`` exact for ``table`` whatever deletes or moves a row
+    (a request, expiry, retention, a dead holder's release). A row whose principal is
+    NULL (written before step 6) counts for nobody."""
+    add = f"""INSERT INTO quota_usage (principal, tbl, rows) SELECT NEW.principal, '{table}', 1
+              WHERE NEW.principal IS NOT NULL
+              ON CONFLICT (principal, tbl) DO UPDATE SET rows = rows + 1;"""
+    remove = f"""UPDATE quota_usage SET rows = rows - 1
+                 WHERE principal = OLD.principal AND tbl = '{table}';"""
+    return (
+        f"CREATE TRIGGER quota_{table}_insert AFTER INSERT ON {table} BEGIN {add} END",
+        f"CREATE TRIGGER quota_{table}_delete AFTER DELETE ON {table} BEGIN {remove} END",
+        f"""CREATE TRIGGER quota_{table}_owner AFTER UPDATE OF principal ON {table}
+            WHEN OLD.principal IS NOT NEW.principal BEGIN {remove} {add} END""",
+    )
+
+
+def _count_existing(table: str) -> str:
+    return f"""INSERT INTO quota_usage (principal, tbl, rows)
+               SELECT principal, '{table}', count(*) FROM {table}
+               WHERE principal IS NOT NULL GROUP BY principal"""
 
 
 @dataclass(frozen=True)
@@ -269,6 +315,29 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX messages_by_session ON messages (session_id, created_at)",
         ),
     ),
+    Migration(
+        6,
+        "per-principal row quotas; retention of messages, settled effects and lease tokens",
+        (
+            # Who created the row, for the quota (NULL on older rows: counted for nobody).
+            "ALTER TABLE kv ADD COLUMN principal TEXT",
+            "ALTER TABLE messages ADD COLUMN principal TEXT",
+            "ALTER TABLE events ADD COLUMN principal TEXT",
+            "ALTER TABLE lease_tokens ADD COLUMN principal TEXT",
+            """CREATE TABLE quota_usage (
+                principal TEXT NOT NULL,
+                tbl TEXT NOT NULL,
+                rows INTEGER NOT NULL,
+                PRIMARY KEY (principal, tbl)
+            ) STRICT, WITHOUT ROWID""",
+            *(trigger for table in _COUNTED_IN_STEP_6 for trigger in _counter_triggers(table)),
+            *(_count_existing(table) for table in _COUNTED_IN_STEP_6),
+            # Retention deletes by age without scanning the whole table.
+            "CREATE INDEX messages_by_created ON messages (created_at)",
+            """CREATE INDEX effects_settled ON effects (completed_at)
+               WHERE status IN ('committed', 'failed', 'aborted')""",
+        ),
+    ),
 )
 
 assert [m.version for m in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1))
@@ -329,11 +398,16 @@ def check_integrity(conn: sqlite3.Connection, db_path: Path) -> None:
 
 
 def migrate(conn: sqlite3.Connection, from_version: int, db_path: Path, backup_dir: Path) -> None:
-    """Climb the ladder from ``from_version``, one transaction per step."""
-    if from_version == SCHEMA_VERSION:
-        return
-    if from_version > 0:
-        backup_copy(conn, backup_dir / f"towerd-v{from_version}-{int(time.time())}.db")
+    """Climb the ladder from ``from_version``, one transaction per step; then make sure
+    the file can return freed pages (:func:`use_incremental_vacuum`)."""
+    if from_version < SCHEMA_VERSION:
+        if from_version > 0:
+            backup_copy(conn, backup_dir / f"towerd-v{from_version}-{int(time.time())}.db")
+        _climb(conn, from_version)
+    use_incremental_vacuum(conn, db_path)
+
+
+def _climb(conn: sqlite3.Connection, from_version: int) -> None:
     for migration in MIGRATIONS[from_version:]:
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -345,6 +419,68 @@ def migrate(conn: sqlite3.Connection, from_version: int, db_path: Path, backup_d
         except BaseException:
             conn.execute("ROLLBACK")
             raise
+
+
+AUTO_VACUUM_INCREMENTAL = 2  # PRAGMA auto_vacuum's value for INCREMENTAL
+VACUUM_SPARE_BYTES = 16 * 1024 * 1024  # free space left over after a switching VACUUM
+
+
+def use_incremental_vacuum(conn: sqlite3.Connection, db_path: Path) -> bool:
+    """Switch the file to ``auto_vacuum = INCREMENTAL`` if it is not already; True once it is.
+
+    The mode can only change before the file's first page is written, or by a VACUUM
+    (outside any transaction), and the writer's connection has already written that page
+    when it switched to WAL: so a fresh file and one made by older code alike are
+    switched by ``VACUUM``, instant on a fresh file. VACUUM keeps the rowids that paged
+    listings use as cursors and stored order: it copies the rows of a table that has an
+    index (every such table here has its primary key's) with their rowids. It writes the
+    file's live pages
+    twice (a temporary copy, then the WAL), and drops its free pages, so it is tried
+    only with room for two copies of the live pages to spare; without room, or if it
+    fails anyway, it is logged and tried again at the next start: nothing is lost, only
+    space that retention frees is not returned to the file system meanwhile."""
+    if conn.execute("PRAGMA auto_vacuum").fetchone()[0] == AUTO_VACUUM_INCREMENTAL:
+        return True
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    live = (pages - conn.execute("PRAGMA freelist_count").fetchone()[0]) * page_size
+    free = _free_bytes(db_path.parent)
+    if free < 2 * live + VACUUM_SPARE_BYTES:
+        log.warning(
+            "incremental_vacuum_deferred",
+            code="storage_full",
+            db_bytes=pages * page_size,
+            live_bytes=live,
+            free_bytes=free,
+            note="too little free space to rewrite the database; retried at the next start",
+        )
+        return False
+    started = time.monotonic()
+    conn.execute(f"PRAGMA auto_vacuum = {AUTO_VACUUM_INCREMENTAL}")
+    try:
+        conn.execute("VACUUM")
+    except sqlite3.Error as exc:
+        log.warning(
+            "incremental_vacuum_deferred",
+            code="storage_full" if getattr(exc, "sqlite_errorcode", 0) & 0xFF == 13 else "internal",
+            db_bytes=pages * page_size,
+            reason=str(exc),
+            note="the database is unchanged; retried at the next start",
+        )
+        return False
+    if pages * page_size > 1024 * 1024:  # not worth a line for a fresh file
+        log.info(
+            "incremental_vacuum_enabled",
+            db_bytes=pages * page_size,
+            live_bytes=live,
+            seconds=round(time.monotonic() - started, 3),
+        )
+    return conn.execute("PRAGMA auto_vacuum").fetchone()[0] == AUTO_VACUUM_INCREMENTAL
+
+
+def _free_bytes(directory: Path) -> int:
+    info = os.statvfs(directory)
+    return info.f_bavail * info.f_frsize
 
 
 def backup_copy(conn: sqlite3.Connection, target: Path) -> None:
@@ -362,7 +498,9 @@ Shape = dict[str, tuple[tuple[tuple[object, ...], ...], frozenset[str]]]
 
 
 def shape_of(conn: sqlite3.Connection) -> Shape:
-    """Tables with their columns (name, type, not null, default, pk) and index names."""
+    """Tables with their columns (name, type, not null, default, pk) and the names of
+    their indexes and triggers (``trigger NAME``: the quota counters are triggers, and a
+    file missing one would count wrongly)."""
     shape: Shape = {}
     tables = conn.execute(
         "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
@@ -376,7 +514,13 @@ def shape_of(conn: sqlite3.Connection) -> Shape:
             for row in conn.execute(f"PRAGMA index_list({_quote(table)})")
             if not row[1].startswith("sqlite_autoindex")
         )
-        shape[table] = (columns, indexes)
+        triggers = frozenset(
+            f"trigger {row[0]}"
+            for row in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = ?", (table,)
+            )
+        )
+        shape[table] = (columns, indexes | triggers)
     return shape
 
 
@@ -415,7 +559,8 @@ def check_shape(conn: sqlite3.Connection, db_path: Path, version: int | None = N
             )
         if want_indexes != have_indexes:
             problems.append(
-                f"table {table} has indexes {sorted(have_indexes)}, expected {sorted(want_indexes)}"
+                f"table {table} has indexes and triggers {sorted(have_indexes)}, "
+                f"expected {sorted(want_indexes)}"
             )
     if problems:
         raise StartRefused(

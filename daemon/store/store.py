@@ -62,6 +62,10 @@ class StoreConfig:
     retention_ms: int = 30 * DAY_MS  # audit events, settled dispatches, ended workers
     event_retention_ms: int = 30 * DAY_MS  # hook events
     events_per_session: int = 5000  # hook events kept per session, newest first
+    events_per_principal: int = 100_000  # hook events kept per principal, newest first
+    message_retention_ms: int = 30 * DAY_MS  # messages, by when they were sent
+    effect_retention_ms: int = 30 * DAY_MS  # committed, failed and aborted effects
+    quota_rows: int = 1_000_000  # rows per principal and table (daemon/store/quota.py)
     max_batch: int = 256
     # Open the store as this daemon id instead of the state dir's own (several
     # daemons sharing one store; tests of ownership between daemons).

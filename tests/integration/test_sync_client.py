@@ -766,7 +766,7 @@ def test_one_exception_class_per_code():
         assert isinstance(error, TowerdError)
         assert getattr(client_module, type(error).__name__) is type(error)
         classes[code] = type(error)
-    assert len(set(classes.values())) == len(ERROR_CODES) == 32
+    assert len(set(classes.values())) == len(ERROR_CODES) == 33
     unknown = error_for_code("from_the_future", "newer daemon", {"x": 1})
     assert type(unknown) is Internal
     assert unknown.data == {"x": 1, "code": "from_the_future"}

@@ -158,11 +158,11 @@ def test_error_without_data_round_trips_with_data_none() -> None:
 def test_unknown_code_becomes_internal_keeping_message_and_code() -> None:
     """A code from a newer daemon maps to Internal;
     message kept, original code in data['code']."""
-    error = error_for_code("quota_exceeded", "too many sessions", {"limit": 10})
+    error = error_for_code("from_the_future", "too many sessions", {"limit": 10})
     assert type(error) is Internal
     assert error.code == "internal"
     assert error.message == "too many sessions"
-    assert error.data == {"limit": 10, "code": "quota_exceeded"}
+    assert error.data == {"limit": 10, "code": "from_the_future"}
 
 
 def test_unknown_code_from_the_wire_without_data() -> None:

@@ -193,7 +193,7 @@ async def test_record_files_the_event_under_the_session_and_its_agent_session(
         [row] = await sql(store, "SELECT * FROM events")
         assert row == (
             result.event_id, session, "as-1", "Notification", result.at,
-            pack({"message": "hi"}), store.daemon_id,
+            pack({"message": "hi"}), store.daemon_id, None,
         )  # fmt: skip
         assert notes == [
             (
@@ -888,8 +888,7 @@ async def test_a_version_4_database_migrates_to_version_5(
         assert (await store.read(messages.list_messages, kept, None, 10)).messages[
             0
         ].message_id == sent.message_id
-    assert schema.SCHEMA_VERSION == 5
-    assert query(short_tmp, "PRAGMA user_version") == [(5,)]
+    assert query(short_tmp, "PRAGMA user_version") == [(schema.SCHEMA_VERSION,)]
     with closing(sqlite3.connect(db_path(short_tmp))) as conn:
         assert schema.shape_of(conn) == schema.expected_shape()
     indexes = {row[0] for row in query(short_tmp, "SELECT name FROM sqlite_master "
