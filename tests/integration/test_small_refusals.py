@@ -11,7 +11,7 @@ import pytest
 
 from towerd.client import BadArgs
 from towerd.protocol.methods import MAX_SCOPE_IDS
-from towerd_testing import TOWERCTL
+from towerd_testing import TOWERCTL, wait_for
 
 
 def test_event_list_with_260000_ids_is_bad_args_and_duplicates_are_folded(daemon):
@@ -64,6 +64,7 @@ def test_holder_pid_of_another_user_is_refused(daemon):
         ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "sleep", "60"]
     )
     try:
+        wait_for(lambda: os.stat(f"/proc/{other.pid}").st_uid != 0, what="the uid switch")
         with daemon.client() as client, pytest.raises(BadArgs):
             client.idem_claim("op", "theirs", holder_pid=other.pid)
     finally:
