@@ -299,7 +299,7 @@ class Faults:
         env, prefix, state_dir, extra = {}, [], None, []
         if "clock" in self.kinds:
             env = {"LD_PRELOAD": str(FAKETIME), "FAKETIME_TIMESTAMP_FILE": str(self.clock_file),
-                   "FAKETIME_NO_CACHE": "1", "DONT_FAKE_MONOTONIC": "1"}  # fmt: skip
+                   "FAKETIME_CACHE_DURATION": "1", "DONT_FAKE_MONOTONIC": "1"}  # fmt: skip
             extra = ["--expiry-interval", "0.5"]  # an early expiry would lose acked keys
         if self.holder is not None:
             prefix = ["nsenter", "--target", str(self.holder.pid), "--mount", "--"]

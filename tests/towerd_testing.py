@@ -212,3 +212,12 @@ def spawn_on_small_disk(
         stderr=subprocess.STDOUT,
     )
     return daemon.proc
+
+
+def rss_kib(pid: int) -> int:
+    """A process's resident set, in KiB (VmRSS)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")

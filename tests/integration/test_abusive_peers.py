@@ -15,7 +15,7 @@ import time
 import msgspec
 
 from towerd.client import TowerdError
-from towerd_testing import towerctl, wait_for
+from towerd_testing import rss_kib, towerctl, wait_for
 
 
 def raw_connect(daemon) -> socket.socket:
@@ -159,14 +159,6 @@ def test_a_peer_that_never_reads_is_dropped_and_costs_bounded_memory(make_daemon
     assert rss_kib(daemon.pid) - rss_before < 200_000, "daemon memory grew without bound"
     assert ping_latency(daemon) < 2.0
     assert daemon.stop() == 0
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def test_a_burst_of_connections_is_not_refused_by_a_short_backlog(make_daemon):

@@ -18,7 +18,7 @@ import time
 
 import msgspec
 
-from towerd_testing import wait_for
+from towerd_testing import rss_kib, wait_for
 
 MAX_IN_FLIGHT = 16  # server.Limits.max_in_flight
 WATCH_ID = 7
@@ -108,14 +108,6 @@ def log_events(daemon, event: str) -> list[dict]:
     *complete, _partial = daemon.log().split("\n")
     entries = [json.loads(line) for line in complete if line.startswith("{")]
     return [entry for entry in entries if entry.get("event") == event]
-
-
-def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def test_one_write_of_4000_registers_from_a_non_reader_runs_only_a_bounded_few(make_daemon):

@@ -8,7 +8,6 @@ through ``/proc/<pid>/root`` to fill and free it.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import subprocess
@@ -18,26 +17,12 @@ import uuid
 import pytest
 
 from towerd.client import StorageFull
+from towerd_testing import fill_filesystem
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None,
     reason="needs root, unshare(1) and nsenter(1) to mount a size-capped tmpfs",
 )
-
-
-def fill(directory: str) -> str:
-    """Write a filler file until the filesystem is full; returns its path."""
-    path = os.path.join(directory, "filler")
-    block = b"\0" * 4096
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        while True:
-            os.write(fd, block)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return path
 
 
 def test_storage_full_refuses_writes_and_recovers(make_daemon, short_tmp):
@@ -69,7 +54,7 @@ def test_storage_full_refuses_writes_and_recovers(make_daemon, short_tmp):
 
     with daemon.client() as client:
         kept = client.session_register(cwd="/r", agent="claude", name="before")["session_id"]
-        filler = fill(inside)
+        filler = fill_filesystem(inside)
         refused_id = None
         for _ in range(200):
             attempt = str(uuid.uuid4())
