@@ -11,7 +11,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import select
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from towerd.daemon.private_paths import StartRefused, check_private
@@ -39,24 +41,16 @@ class InstanceLock:
     ) -> InstanceLock:
         """Take the lock, waiting up to ``wait_seconds``; else raise ``AlreadyRunning``."""
         path = state_dir / LOCK_FILE
-        check_private(path, "lock file", want_dir=False)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        deadline = time.monotonic() + wait_seconds
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = read_holder(path)
-                    os.close(fd)
-                    raise AlreadyRunning(
-                        f"towerd is already running on state dir {state_dir} "
-                        f"(pid {holder.get('pid', '?')}, socket {holder.get('socket', '?')}); "
-                        "stop it first, or start with --takeover",
-                        holder,
-                    ) from None
-                time.sleep(0.05)
+
+        def refusal(holder: dict[str, object]) -> AlreadyRunning:
+            return AlreadyRunning(
+                f"towerd is already running on state dir {state_dir} "
+                f"(pid {holder.get('pid', '?')}, socket {holder.get('socket', '?')}); "
+                "stop it first, or start with --takeover",
+                holder,
+            )
+
+        fd = take_lock_file(path, "lock file", wait_seconds, refusal)
         lock = cls(fd, path)
         # The previous daemon's id is kept: it tells a later start that a store lived
         # here (daemon/store/identity.py).
@@ -74,6 +68,31 @@ class InstanceLock:
 
     def release(self) -> None:
         os.close(self._fd)
+
+
+def take_lock_file(
+    path: Path,
+    what: str,
+    wait_seconds: float,
+    refusal: Callable[[dict[str, object]], AlreadyRunning],
+) -> int:
+    """Open the private file ``path`` and take an exclusive flock on it, waiting up to
+    ``wait_seconds``; else raise ``refusal(the holder's record)``. Returns the fd, which
+    holds the lock until it is closed (or the process dies)."""
+    check_private(path, what, want_dir=False)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = read_holder(path)
+                os.close(fd)
+                raise refusal(holder) from None
+            # select, not time.sleep: the latter fails under libfaketime (clock tests).
+            select.select([], [], [], 0.05)
 
 
 def rewrite_record(fd: int, record: dict[str, object]) -> None:

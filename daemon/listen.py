@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import socket
 import stat
-import time
 from pathlib import Path
 
 import structlog
 
-from towerd.daemon.instance import AlreadyRunning, rewrite_record
-from towerd.daemon.private_paths import StartRefused, check_private, ensure_private_dir
+from towerd.daemon.instance import AlreadyRunning, read_holder, rewrite_record, take_lock_file
+from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.processes import PeerCredentials, peer_credentials
 
 log = structlog.get_logger("towerd.listen")
@@ -55,38 +53,22 @@ class SocketLock:
         check_socket_path_length(socket_path)
         ensure_private_dir(socket_path.parent, "socket dir")
         path = socket_lock_path(socket_path)
-        check_private(path, "socket lock file", want_dir=False)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        deadline = time.monotonic() + wait_seconds
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = read_lock_holder(path)
-                    os.close(fd)
-                    raise AlreadyRunning(
-                        f"another towerd (pid {holder.get('pid', '?')}, state dir "
-                        f"{holder.get('state_dir', '?')}) serves the socket {socket_path}; "
-                        "stop it first, or give this daemon another --socket",
-                        holder,
-                    ) from None
-                time.sleep(0.05)
+
+        def refusal(holder: dict[str, object]) -> AlreadyRunning:
+            return AlreadyRunning(
+                f"another towerd (pid {holder.get('pid', '?')}, state dir "
+                f"{holder.get('state_dir', '?')}) serves the socket {socket_path}; "
+                "stop it first, or give this daemon another --socket",
+                holder,
+            )
+
+        fd = take_lock_file(path, "socket lock file", wait_seconds, refusal)
         record = {"pid": os.getpid(), "state_dir": str(state_dir), "socket": str(socket_path)}
         rewrite_record(fd, record)
         return cls(fd, path)
 
     def release(self) -> None:
         os.close(self._fd)
-
-
-def read_lock_holder(path: Path) -> dict[str, object]:
-    try:
-        holder = json.loads(path.read_text() or "{}")
-    except (OSError, ValueError):
-        return {}
-    return holder if isinstance(holder, dict) else {}
 
 
 def current_holder(socket_path: Path) -> dict[str, object] | None:
@@ -100,7 +82,7 @@ def current_holder(socket_path: Path) -> dict[str, object] | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return read_lock_holder(path)
+        return read_holder(path)
     finally:
         os.close(fd)  # also drops the shared lock if we got it
     return None

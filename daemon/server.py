@@ -35,11 +35,9 @@ import functools
 import inspect
 import os
 import socket
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -47,7 +45,7 @@ import msgspec
 import structlog
 
 from towerd.daemon.handlers import Caller, Handlers
-from towerd.daemon.private_paths import StartRefused, ensure_private_dir
+from towerd.daemon.listen import BACKLOG
 from towerd.daemon.processes import holder_of, peer_credentials
 from towerd.daemon.watch import Subscription, WatchHub
 from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
@@ -77,8 +75,6 @@ from towerd.protocol.methods import WatchResult
 
 log = structlog.get_logger("towerd.server")
 
-MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
-BACKLOG = 4096  # the kernel caps it at net.core.somaxconn
 DEFAULT_PRINCIPAL = "default"
 DEFAULT_MAX_CONNECTIONS_PER_PROCESS = 128  # a hook or CLI needs 1-2; a service's pool a few dozen
 # Replies wait in our buffer only once the kernel's socket buffer is full: the peer is
@@ -88,39 +84,6 @@ ECHO_LIMIT = 200  # characters of a peer's value (a method name) echoed in a mes
 LOG_REASON_LIMIT = 1000  # characters of an error message repeated in a log line
 
 _PARAMS_DECODERS = {name: msgspec.msgpack.Decoder(spec.params) for name, spec in m.METHODS.items()}
-
-
-def bind_private_socket(path: Path) -> socket.socket:
-    """Listen on ``path`` inside a private directory, mode 0600 from the first instant.
-
-    The caller holds the instance lock, so a socket file already there was
-    left by a dead daemon and is replaced.
-    """
-    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-        raise StartRefused(
-            f"socket path {path} is longer than {MAX_SOCKET_PATH} bytes; choose a shorter --socket"
-        )
-    ensure_private_dir(path.parent, "socket dir")
-    try:
-        info = path.lstat()
-    except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(info.st_mode):
-            raise StartRefused(f"{path} exists and is not a socket; refusing to replace it")
-        path.unlink()
-        log.info("stale_socket_replaced", socket=str(path))
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    previous = os.umask(0o177)  # the socket is born 0600: no window where it is wider
-    try:
-        sock.bind(os.fspath(path))
-    except OSError as exc:
-        sock.close()
-        raise StartRefused(f"cannot listen on {path}: {exc.strerror}") from None
-    finally:
-        os.umask(previous)
-    sock.listen(BACKLOG)
-    return sock
 
 
 @dataclass(frozen=True)
