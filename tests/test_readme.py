@@ -26,10 +26,6 @@ CI_RUN = ROOT / ".ci" / "run"
 
 # Python examples of sections another change still has to make runnable as pasted:
 # each heading here must still have a Python block, so the list cannot go stale.
-NOT_YET_RUNNABLE = {
-    "### The same from Python": "uses run_id, head_sha and subprocess, and pushes with git",
-    "## Dispatching work: workers, fenced claims, retry limits": "calls run_the_task",
-}
 # What the README's stand-in effect, start_agent_in_tmux, prints each time it runs.
 STAND_IN_SAYS = "starting the agent of session "
 
@@ -146,18 +142,17 @@ def test_python_examples_run_in_order_and_spawn_once(daemon, tmp_path):
     they run, and the stand-in effect runs exactly once across all of them (the retry
     and run_once replay it), leaving one fleet row, the effect's session."""
     blocks = fenced_blocks()
-    python = [(heading, body) for heading, lang, body in blocks if lang == "python"]
-    assert set(NOT_YET_RUNNABLE) <= {heading for heading, _ in python}
-    runnable = [body for heading, body in python if heading not in NOT_YET_RUNNABLE]
-    assert len(runnable) >= 2
+    python = [body for _heading, lang, body in blocks if lang == "python"]
+    assert len(python) >= 4
     script = tmp_path / "readme_examples.py"
-    script.write_text("\n\n".join(runnable))
+    script.write_text("\n\n".join(python))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOWERD_")}
     env["TOWERD_SOCKET"] = str(daemon.socket_path)
+    work, remote = _repository_with_a_remote(tmp_path, env)
     ran = subprocess.run(
         [sys.executable, str(script)],
         check=False,
-        cwd=tmp_path,
+        cwd=work,
         env=env,
         capture_output=True,
         text=True,
@@ -169,6 +164,31 @@ def test_python_examples_run_in_order_and_spawn_once(daemon, tmp_path):
     with daemon.client() as client:
         fleet = [row["session_id"] for row in client.iter_fleet()]
     assert fleet == [effects[0].removeprefix(STAND_IN_SAYS)]
+    # The effect example pushed for real, once, and the ledger holds its receipt.
+    head = _git(work, env, "rev-parse", "HEAD")
+    assert _git(remote, env, "rev-parse", "refs/heads/main") == head
+    assert "running M001/S01/T03" in ran.stdout
+
+
+def _git(where: Path, env: dict[str, str], *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(where), *args], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _repository_with_a_remote(root: Path, env: dict[str, str]) -> tuple[Path, Path]:
+    """A work tree with one commit whose origin is a bare repository: the README's
+    effect example pushes there."""
+    env.update(GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.invalid",
+               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.invalid")  # fmt: skip
+    work, remote = root / "work", root / "remote.git"
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], env=env, check=True)
+    subprocess.run(["git", "init", "-q", "-b", "main", str(work)], env=env, check=True)
+    (work / "README").write_text("a run's work\n")
+    _git(work, env, "add", "README")
+    _git(work, env, "commit", "-q", "-m", "work")
+    _git(work, env, "remote", "add", "origin", str(remote))
+    return work, remote
 
 
 def test_hook_configuration_uses_absolute_paths():
