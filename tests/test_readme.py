@@ -10,6 +10,7 @@ must come back only once the install is done, leaving the daemon in the backgrou
 from __future__ import annotations
 
 import json
+import re
 import os
 import shlex
 import signal
@@ -209,3 +210,23 @@ def test_hook_configuration_uses_absolute_paths():
         program, *arguments = shlex.split(command)
         assert os.path.isabs(program) and program.endswith("/towerctl"), command
         assert arguments == ["hook-report"], command
+
+
+FIGURE = re.compile(r"(\d[\d,]*(?:\.\d+)?)(?:x| ms| MiB| s\b| ops/s| req/s)")
+
+
+def test_performance_figures_are_quoted_from_the_benchmark_results():
+    """Every ratio, latency, size and duration in the README's Performance section
+    appears verbatim in bench/results/*.txt (the raw output of the last runs): a
+    figure is re-measured, never hand-edited and left to go stale."""
+    readme = README.read_text()
+    section = readme[readme.index("## Performance") : readme.index("## Why these dependencies")]
+    results = " ".join(path.read_text() for path in (ROOT / "bench" / "results").glob("*.txt"))
+    figures = FIGURE.findall(section)
+    assert len(figures) > 20, figures
+    missing = [
+        figure
+        for figure in figures
+        if not re.search(rf"(?<![\d.]){re.escape(figure.replace(',', ''))}(?![\d])", results)
+    ]
+    assert not missing, f"README figures not in bench/results: {missing}"
