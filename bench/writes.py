@@ -150,10 +150,11 @@ def store_engine(index: int, n: int, state_dir: Path, sync: Sync) -> Outcome:
 
     from towerd.daemon.store import StoreConfig, idempotency, open_store
     from towerd.daemon.store.idempotency import Holder
-    from towerd.protocol.methods import IdemClaimParams
+    from towerd.daemon.store.tx import Caller
+    from towerd.protocol.methods import IdemClaimParams, IdemCompleteParams
 
     latencies = array("d")
-    holder = Holder(os.getpid(), 0)
+    caller = Caller(principal="p", pid=os.getpid(), holder=Holder(os.getpid(), 0))
 
     async def main() -> None:
         async with open_store(StoreConfig(state_dir)) as store:
@@ -164,12 +165,13 @@ def store_engine(index: int, n: int, state_dir: Path, sync: Sync) -> Outcome:
                     key = f"t{task}-{i}"
                     started = time.monotonic()
                     await store.write(
-                        idempotency.claim,
-                        "p",
-                        IdemClaimParams(operation=OPERATION, key=key),
-                        holder,
+                        idempotency.claim, caller, IdemClaimParams(operation=OPERATION, key=key)
                     )
-                    await store.write(idempotency.complete, "p", OPERATION, key, {"i": i})
+                    await store.write(
+                        idempotency.complete,
+                        caller,
+                        IdemCompleteParams(operation=OPERATION, key=key, result={"i": i}),
+                    )
                     finished = time.monotonic()
                     if finished > deadline:
                         return
@@ -234,23 +236,24 @@ def _store_function_writes(db_path: Path) -> tuple[Callable[..., Any], Callable[
     them (a Tx collecting change notes); the database was created by towerd."""
     from towerd.daemon.store import idempotency
     from towerd.daemon.store.idempotency import Holder
-    from towerd.daemon.store.tx import Tx, now_ms
-    from towerd.protocol.methods import IdemClaimParams
+    from towerd.daemon.store.tx import Caller, Tx, now_ms
+    from towerd.protocol.methods import IdemClaimParams, IdemCompleteParams
 
     conn = direct.connect(db_path)
     daemon_id, epoch = conn.execute("SELECT daemon_id, owner_epoch FROM daemons").fetchone()
     conn.close()
-    holder = Holder(os.getpid(), 0)
+    caller = Caller(principal="p", pid=os.getpid(), holder=Holder(os.getpid(), 0))
 
     def tx(conn: Any) -> Tx:
         return Tx(conn, daemon_id, epoch, now_ms(), changes=[])
 
     def claim(conn: Any, key: str) -> None:
         params = IdemClaimParams(operation=OPERATION, key=key)
-        idempotency.claim(tx(conn), "p", params, holder)
+        idempotency.claim(tx(conn), caller, params)
 
     def complete(conn: Any, key: str, result: Any) -> None:
-        idempotency.complete(tx(conn), "p", OPERATION, key, result)
+        params = IdemCompleteParams(operation=OPERATION, key=key, result=result)
+        idempotency.complete(tx(conn), caller, params)
 
     return claim, complete
 

@@ -2,8 +2,9 @@
 
 JSON when stderr is not a terminal or goes to the journal (``JOURNAL_STREAM``);
 under the journal each line also carries a ``<N>`` priority prefix so
-``journalctl -p warning`` works. Request context (method, principal, ...) is
-bound with contextvars by the server and merged into every line.
+``journalctl -p warning`` works. Each line carries its context as keyword
+arguments where it is logged (the server passes a request's method, principal,
+peer pid and duration); nothing is bound implicitly.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ def configure_logging(level: str = "info", *, json_lines: bool | None = None) ->
     if json_lines is None:
         json_lines = under_journal or not sys.stderr.isatty()
     processors: list[Any] = [
-        structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
@@ -43,7 +43,3 @@ def configure_logging(level: str = "info", *, json_lines: bool | None = None) ->
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-
-
-def get_logger() -> Any:
-    return structlog.get_logger("towerd")

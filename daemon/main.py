@@ -5,14 +5,12 @@ systemd is told not to restart on 78."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import msgspec
 import structlog
 
 from towerd.daemon import systemd
+from towerd.daemon.config import DaemonConfig, parse_args
 from towerd.daemon.handlers import DaemonInfo, Handlers
 from towerd.daemon.instance import AlreadyRunning, InstanceLock
 from towerd.daemon.listen import (
@@ -32,59 +31,24 @@ from towerd.daemon.listen import (
 )
 from towerd.daemon.logs import configure_logging
 from towerd.daemon.maintenance import (
-    HolderSweep,
+    LivenessSweep,
     Upkeep,
     checkpoint_periodically,
     expire_periodically,
     guard_periodically,
 )
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
-from towerd.daemon.server import DEFAULT_MAX_CONNECTIONS_PER_PROCESS, Limits, Server
-from towerd.daemon.store import StoreConfig, open_store
+from towerd.daemon.server import Server
+from towerd.daemon.store import open_store
 from towerd.daemon.store.tx import now_ms
-from towerd.daemon.watch import DEFAULT_MAX_QUEUED_BYTES, WatchHub
-from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
-from towerd.protocol.methods import DEFAULT_EVENT_MAX_PAYLOAD, DEFAULT_KV_MAX_VALUE
-from towerd.protocol.paths import default_socket_path, default_state_dir
+from towerd.daemon.watch import WatchHub
+from towerd.protocol import VERSION
 
 EXIT_OK = 0
 EXIT_ALREADY_RUNNING = 75  # EX_TEMPFAIL
 EXIT_REFUSED = 78  # EX_CONFIG: restarting will not help
 
 log = structlog.get_logger("towerd")
-
-
-@dataclass(frozen=True)
-class DaemonConfig:
-    socket_path: Path
-    state_dir: Path
-    max_frame: int = DEFAULT_MAX_FRAME
-    completed_ttl_seconds: float = 24 * 3600
-    holder_check_interval: float = 1.0
-    expiry_interval: float = 600.0
-    checkpoint_interval: float = 30.0
-    shutdown_grace: float = 10.0
-    takeover: bool = False
-    takeover_timeout: float = 15.0
-    new_store: bool = False
-    max_connections: int = 1024
-    max_connections_per_process: int = DEFAULT_MAX_CONNECTIONS_PER_PROCESS
-    hello_timeout: float = 10.0
-    frame_timeout: float = 10.0
-    send_timeout: float = 10.0
-    log_level: str = "info"
-    branch_prefix: str = "kxm/"
-    worker_ttl_seconds: float = 60.0
-    retention_days: float = 30.0
-    kv_max_value: int = DEFAULT_KV_MAX_VALUE
-    event_max_payload: int = DEFAULT_EVENT_MAX_PAYLOAD
-    event_retention_days: float = 30.0
-    events_per_session: int = 5000
-    events_per_principal: int = 100_000
-    message_retention_days: float = 30.0
-    effect_retention_days: float = 30.0
-    quota_rows: int = 1_000_000
-    watch_max_queue: int = DEFAULT_MAX_QUEUED_BYTES
 
 
 class StopRequest:
@@ -150,19 +114,7 @@ async def _open_and_serve(
     socket_path: Path,
     activated: socket.socket | None,
 ) -> None:
-    store_config = StoreConfig(
-        lock.path.parent,
-        completed_ttl_ms=int(config.completed_ttl_seconds * 1000),
-        worker_ttl_ms=int(config.worker_ttl_seconds * 1000),
-        retention_ms=int(config.retention_days * 86_400_000),
-        event_retention_ms=int(config.event_retention_days * 86_400_000),
-        events_per_session=config.events_per_session,
-        events_per_principal=config.events_per_principal,
-        message_retention_ms=int(config.message_retention_days * 86_400_000),
-        effect_retention_ms=int(config.effect_retention_days * 86_400_000),
-        quota_rows=config.quota_rows,
-        new_store=config.new_store,
-    )
+    store_config = config.store_config(lock.path.parent)
     async with open_store(store_config) as store:
         lock.record_daemon(store.daemon_id)
         log.info(
@@ -186,28 +138,17 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         store,
         DaemonInfo(
             socket_path=str(socket_path),
-            max_frame=config.max_frame,
             started_at=now_ms(),
             started_monotonic=time.monotonic(),
-            branch_prefix=config.branch_prefix,
-            kv_max_value=config.kv_max_value,
-            event_max_payload=config.event_max_payload,
         ),
         request_shutdown=stop.request,
     )
     upkeep = Upkeep()
     handlers.upkeep = upkeep
-    sweep = HolderSweep(store, config.holder_check_interval, upkeep)
+    sweep = LivenessSweep(store, config.holder_check_interval, upkeep)
     server = Server(
         handlers,
-        limits=Limits(
-            max_frame=config.max_frame,
-            max_connections=config.max_connections,
-            max_connections_per_process=config.max_connections_per_process,
-            hello_timeout=config.hello_timeout,
-            frame_timeout=config.frame_timeout,
-            send_timeout=config.send_timeout,
-        ),
+        limits=config.limits(),
         on_disconnect=lambda caller: sweep.poke() if caller.claimed else None,
         trace_requests=config.log_level == "debug",
         watch_hub=WatchHub(config.watch_max_queue),
@@ -317,226 +258,11 @@ async def ask_running_daemon_to_stop(socket_path: Path, state_dir: Path) -> None
     await anyio.to_thread.run_sync(request)
 
 
-def parse_args(argv: list[str] | None) -> tuple[DaemonConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
-        prog="towerd", description="The towerd daemon: fleet state and idempotency keys."
-    )
-    parser.add_argument(
-        "--socket",
-        type=Path,
-        default=None,
-        help="Unix socket path (default $TOWERD_SOCKET, else $XDG_RUNTIME_DIR/towerd/towerd.sock, "
-        "else $XDG_STATE_HOME/towerd/towerd.sock)",
-    )
-    parser.add_argument(
-        "--state-dir",
-        type=Path,
-        default=None,
-        help="state directory (default $TOWERD_STATE_DIR, else $XDG_STATE_HOME/towerd)",
-    )
-    parser.add_argument(
-        "--takeover",
-        action="store_true",
-        help="ask the running daemon to stop, then start at the next epoch",
-    )
-    parser.add_argument("--takeover-timeout", type=float, default=15.0, metavar="SECONDS")
-    parser.add_argument(
-        "--new-store",
-        action="store_true",
-        help="start an empty store although the state dir shows a previous one was lost "
-        "(its database is missing or was replaced): every key it held is forgotten",
-    )
-    parser.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, metavar="BYTES")
-    parser.add_argument(
-        "--completed-ttl",
-        type=float,
-        default=24 * 3600,
-        metavar="SECONDS",
-        help="how long completed idempotency keys are kept (default 24 h)",
-    )
-    parser.add_argument(
-        "--expiry-interval",
-        type=float,
-        default=600.0,
-        metavar="SECONDS",
-        help="how often expired completed keys are swept (default 600)",
-    )
-    parser.add_argument(
-        "--checkpoint-interval",
-        type=float,
-        default=30.0,
-        metavar="SECONDS",
-        help="how often a grown WAL is truncated when no reader is in the way (default 30)",
-    )
-    parser.add_argument("--holder-check-interval", type=float, default=1.0, metavar="SECONDS")
-    parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS")
-    parser.add_argument(
-        "--max-connections",
-        type=int,
-        default=1024,
-        metavar="N",
-        help="connections beyond this are refused with `unavailable` (default 1024)",
-    )
-    parser.add_argument(
-        "--max-connections-per-process",
-        type=int,
-        default=DEFAULT_MAX_CONNECTIONS_PER_PROCESS,
-        metavar="N",
-        help="one process's connections beyond this are refused with `unavailable` "
-        f"(default {DEFAULT_MAX_CONNECTIONS_PER_PROCESS})",
-    )
-    parser.add_argument(
-        "--hello-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="a connection that has not said hello within this is closed (default 10)",
-    )
-    parser.add_argument(
-        "--frame-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="a started frame must be complete within this (default 10)",
-    )
-    parser.add_argument(
-        "--send-timeout",
-        type=float,
-        default=10.0,
-        metavar="SECONDS",
-        help="a peer that does not read its replies this long is dropped",
-    )
-    parser.add_argument(
-        "--branch-prefix",
-        default="kxm/",
-        help="prefix of run branches: a push to the run's own branch needs no lease (kxm/)",
-    )
-    parser.add_argument(
-        "--worker-ttl",
-        type=float,
-        default=60.0,
-        metavar="SECONDS",
-        help="a worker whose last heartbeat is older is reaped as crashed (default 60)",
-    )
-    parser.add_argument(
-        "--retention-days",
-        type=float,
-        default=30.0,
-        metavar="DAYS",
-        help="audit events, settled dispatches and ended workers older are pruned (30)",
-    )
-    parser.add_argument(
-        "--kv-max-value",
-        type=int,
-        default=DEFAULT_KV_MAX_VALUE,
-        metavar="BYTES",
-        help="largest soft-state value, msgpack-encoded (default 65536)",
-    )
-    parser.add_argument(
-        "--event-max-payload",
-        type=int,
-        default=DEFAULT_EVENT_MAX_PAYLOAD,
-        metavar="BYTES",
-        help="largest hook event payload, msgpack-encoded (default 65536)",
-    )
-    parser.add_argument(
-        "--event-retention-days",
-        type=float,
-        default=30.0,
-        metavar="DAYS",
-        help="hook events older are pruned (default 30)",
-    )
-    parser.add_argument(
-        "--events-per-session",
-        type=int,
-        default=5000,
-        metavar="N",
-        help="hook events kept per session, newest first (default 5000)",
-    )
-    parser.add_argument(
-        "--events-per-principal",
-        type=int,
-        default=100_000,
-        metavar="N",
-        help="hook events kept per principal, newest first (default 100000)",
-    )
-    parser.add_argument(
-        "--message-retention-days",
-        type=float,
-        default=30.0,
-        metavar="DAYS",
-        help="messages sent longer ago are pruned, whatever their status (default 30)",
-    )
-    parser.add_argument(
-        "--effect-retention-days",
-        type=float,
-        default=30.0,
-        metavar="DAYS",
-        help="committed, failed and aborted effects settled longer ago are pruned; a claim "
-        "of a pruned effect runs it again (default 30)",
-    )
-    parser.add_argument(
-        "--quota",
-        type=int,
-        default=1_000_000,
-        metavar="ROWS",
-        dest="quota_rows",
-        help="rows one principal may have in each of the idempotency, kv, messages, events, "
-        "effects, leases and lease_tokens tables; past it, quota_exceeded (default 1000000)",
-    )
-    parser.add_argument(
-        "--watch-max-queue",
-        type=int,
-        default=DEFAULT_MAX_QUEUED_BYTES,
-        metavar="BYTES",
-        help="a watcher this far behind is sent too_slow and disconnected (default 1 MiB)",
-    )
-    parser.add_argument(
-        "--log-level",
-        default=os.environ.get("TOWERD_LOG_LEVEL", "info"),
-        choices=["debug", "info", "warning", "error"],
-    )
-    parser.add_argument("--log-format", default="auto", choices=["auto", "json", "console"])
-    parser.add_argument("--version", action="version", version=f"towerd {VERSION}")
-    args = parser.parse_args(argv)
-    config = DaemonConfig(
-        socket_path=args.socket or Path(default_socket_path()),
-        state_dir=args.state_dir or Path(default_state_dir()),
-        max_frame=args.max_frame,
-        completed_ttl_seconds=args.completed_ttl,
-        holder_check_interval=args.holder_check_interval,
-        expiry_interval=args.expiry_interval,
-        checkpoint_interval=args.checkpoint_interval,
-        shutdown_grace=args.shutdown_grace,
-        takeover=args.takeover,
-        takeover_timeout=args.takeover_timeout,
-        new_store=args.new_store,
-        max_connections=args.max_connections,
-        max_connections_per_process=args.max_connections_per_process,
-        hello_timeout=args.hello_timeout,
-        frame_timeout=args.frame_timeout,
-        send_timeout=args.send_timeout,
-        log_level=args.log_level,
-        branch_prefix=args.branch_prefix,
-        worker_ttl_seconds=args.worker_ttl,
-        retention_days=args.retention_days,
-        kv_max_value=args.kv_max_value,
-        event_max_payload=args.event_max_payload,
-        event_retention_days=args.event_retention_days,
-        events_per_session=args.events_per_session,
-        events_per_principal=args.events_per_principal,
-        message_retention_days=args.message_retention_days,
-        effect_retention_days=args.effect_retention_days,
-        quota_rows=args.quota_rows,
-        watch_max_queue=args.watch_max_queue,
-    )
-    return config, args
-
-
 def main(argv: list[str] | None = None) -> None:
-    config, args = parse_args(argv)
+    config = parse_args(argv)
     configure_logging(
-        args.log_level, json_lines=None if args.log_format == "auto" else args.log_format == "json"
+        config.log_level,
+        json_lines=None if config.log_format == "auto" else config.log_format == "json",
     )
     try:
         code = anyio.run(run_daemon, config, backend="asyncio", backend_options=_backend_options())

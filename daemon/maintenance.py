@@ -23,11 +23,10 @@ import anyio
 import structlog
 
 from towerd.daemon.clock import StepDetector
-from towerd.daemon.processes import is_alive
+from towerd.daemon.processes import Holder, is_alive
 from towerd.daemon.store import Store, idempotency, liveness, retention
 from towerd.daemon.store import clock as clock_record
 from towerd.daemon.store import upkeep as db_files
-from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.tx import now_ms
 from towerd.protocol.errors import TowerdError
 from towerd.protocol.methods import UpkeepTask
@@ -84,8 +83,13 @@ class Upkeep:
         return min(max(interval, 1.0) * 2 ** (failures - 1), max(MAX_BACKOFF, interval))
 
 
-class HolderSweep:
-    NAME = "holder_sweep"
+class LivenessSweep:
+    """What dies with a process is settled here: its keys turn unknown (or complete from
+    evidence), its leases are released, its shared effects parked, a worker it ran is
+    reaped with its dispatches; silent effects and workers likewise. Runs every
+    ``interval`` seconds, and at once when a holder's connection closes."""
+
+    NAME = "holder_sweep"  # its name in status.upkeep
 
     def __init__(self, store: Store, interval: float, upkeep: Upkeep | None = None) -> None:
         self.store = store

@@ -83,7 +83,7 @@ WRITE_BUFFER_HIGH = 0
 ECHO_LIMIT = 200  # characters of a peer's value (a method name) echoed in a message or log
 LOG_REASON_LIMIT = 1000  # characters of an error message repeated in a log line
 
-_PARAMS_DECODERS = {name: msgspec.msgpack.Decoder(spec.params) for name, spec in m.METHODS.items()}
+_PARAMS_DECODERS = m.PARAMS_DECODERS
 
 
 @dataclass(frozen=True)

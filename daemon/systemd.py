@@ -5,8 +5,9 @@
 * ``listen_socket``: the listening socket systemd passes on fd 3 when
   ``$LISTEN_PID`` is this process and ``$LISTEN_FDS`` >= 1.
 
-No maintained small library covers both (see ../shared/stack-notes.md), and
-each is a few lines of the documented protocol.
+No maintained small library covers both (sdnotify dates from 2017, systemd-python
+needs libsystemd's headers, cysystemd has no listen_fds), and each is a few lines
+of the documented protocol.
 """
 
 from __future__ import annotations

@@ -779,6 +779,8 @@ class DispatchRecentParams(Struct):
     limit: RecentLimit = 20
 
     def __post_init__(self) -> None:
+        if (self.worker_id is None) == (self.project_root is None):
+            raise ValueError("give exactly one of `worker_id` and `project_root`")
         _require_absolute("project_root", self.project_root)
 
 
@@ -1207,5 +1209,9 @@ FEATURES = [
 ]  # fmt: skip
 
 
+PARAMS_DECODERS = {name: msgspec.msgpack.Decoder(spec.params) for name, spec in METHODS.items()}
+
+
 def params_decoder(method: str) -> msgspec.msgpack.Decoder[Any]:
-    return msgspec.msgpack.Decoder(METHODS[method].params)
+    """The decoder the daemon validates ``method``'s params with."""
+    return PARAMS_DECODERS[method]

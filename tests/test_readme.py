@@ -230,3 +230,24 @@ def test_performance_figures_are_quoted_from_the_benchmark_results():
         if not re.search(rf"(?<![\d.]){re.escape(figure.replace(',', ''))}(?![\d])", results)
     ]
     assert not missing, f"README figures not in bench/results: {missing}"
+
+
+def test_the_configuration_table_lists_every_daemon_option_with_its_default():
+    """Each option is declared once (daemon/config.py); the README's table names every
+    one of them, nothing else, and a numeric default as the option's own."""
+    from towerd.daemon.config import options
+
+    readme = README.read_text()
+    table = readme[readme.index("## Configuration") :].split("\n\n")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `--")]
+    documented: dict[str, str] = {}
+    for row in rows:
+        first, _env, default = (cell.strip() for cell in row.strip("|").split("|")[:3])
+        for flag in re.findall(r"--[a-z][a-z-]*", first):
+            documented[flag] = default
+    declared = {spec.metadata["flag"]: spec.default for _name, spec in options()}
+    assert documented.keys() == declared.keys()
+    for flag, default in declared.items():
+        if isinstance(default, int | float) and not isinstance(default, bool):
+            shown = f"{default:g}" if isinstance(default, float) else str(default)
+            assert documented[flag].startswith(shown), (flag, shown, documented[flag])

@@ -12,8 +12,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from towerd.daemon.store.tx import Tx, note, pack, take_page, unpack
-from towerd.protocol.methods import AuditEvent, AuditListResult
+from towerd.daemon.store.tx import Caller, Tx, note, pack, take_page, unpack
+from towerd.protocol.methods import AuditEvent, AuditListParams, AuditListResult
 
 DAEMON_ACTOR = "daemon"  # the daemon's own upkeep: reaping, retention
 
@@ -49,16 +49,10 @@ WATCH_TOPICS = {"lease": "leases", "worker": "dispatch", "dispatch": "dispatch"}
 _COLUMNS = "seq, event_id, trace_id, turn_id, caused_by, category, type, ts, actor, payload"
 
 
-def list_events(
-    tx: Tx,
-    category: str | None,
-    type: str | None,
-    trace_id: str | None,
-    before: int | None,
-    limit: int,
-    byte_budget: int,
-) -> AuditListResult:
+def list_events(tx: Tx, caller: Caller, params: AuditListParams) -> AuditListResult:
     """Newest first, paged by ``seq``: ``next_before`` continues where a page ended."""
+    category, type, trace_id = params.category, params.type, params.trace_id
+    before, limit, byte_budget = params.before, params.limit, tx.config.page_bytes
     where, args = ["seq < ?"], [before if before is not None else 2**63 - 1]
     for column, value in (("category", category), ("type", type), ("trace_id", trace_id)):
         if value is not None:

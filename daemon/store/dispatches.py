@@ -23,7 +23,7 @@ from msgspec.structs import asdict
 
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import audit, leases, stuck, workers
-from towerd.daemon.store.tx import Refused, Tx
+from towerd.daemon.store.tx import Caller, Refused, Tx, fitted
 from towerd.protocol.errors import (
     AlreadyActive,
     AttemptsExhausted,
@@ -35,9 +35,17 @@ from towerd.protocol.errors import (
 from towerd.protocol.methods import (
     DispatchClaimParams,
     DispatchClaimResult,
+    DispatchCompleteParams,
+    DispatchFailParams,
+    DispatchFenceParams,
+    DispatchIdParams,
+    DispatchListParams,
     DispatchListResult,
+    DispatchReasonParams,
+    DispatchRecentParams,
     DispatchRecentResult,
     DispatchRecord,
+    DispatchStuckReportParams,
     DispatchStuckReportResult,
     StuckVerdict,
     WorkerRecord,
@@ -68,7 +76,11 @@ def load(tx: Tx, dispatch_id: int) -> DispatchRecord | None:
     return None if row is None else _record(row)
 
 
-def get(tx: Tx, dispatch_id: int) -> DispatchRecord:
+def get(tx: Tx, caller: Caller, params: DispatchIdParams) -> DispatchRecord:
+    return require(tx, params.dispatch_id)
+
+
+def require(tx: Tx, dispatch_id: int) -> DispatchRecord:
     record = load(tx, dispatch_id)
     if record is None:
         raise NotFound(f"no dispatch {dispatch_id}", {"dispatch_id": dispatch_id})
@@ -129,7 +141,8 @@ def _require_fence(tx: Tx, worker_id: str, resource: str, token: int) -> WorkerR
 # --- claim -----------------------------------------------------------------------------------
 
 
-def claim(tx: Tx, actor: str, params: DispatchClaimParams) -> DispatchClaimResult | Refused:
+def claim(tx: Tx, caller: Caller, params: DispatchClaimParams) -> DispatchClaimResult | Refused:
+    actor = caller.actor
     worker = _require_fence(tx, params.worker_id, params.lease_resource, params.fencing_token)
     if worker.status != "active":
         raise Conflict(
@@ -270,7 +283,7 @@ def transition(
     Repeating the transition that already happened (a reply lost on the way) answers
     the row as it is; any other move out of a settled row is ``conflict``.
     """
-    record = get(tx, dispatch_id)
+    record = require(tx, dispatch_id)
     if record.worker_id != worker_id or record.fencing_token != token:
         raise StaleLease(
             f"dispatch {dispatch_id} belongs to worker {record.worker_id} under token "
@@ -290,7 +303,38 @@ def transition(
     if status == "failed" and columns.get("retry_after_ms") is not None:
         columns["next_run_at"] = tx.now + columns["retry_after_ms"]
     _settle(tx, record, status, actor, caused_by=None, **columns)
-    return get(tx, dispatch_id)
+    return require(tx, dispatch_id)
+
+
+def _fenced(tx: Tx, caller: Caller, params: Any, status: str, **columns: Any) -> DispatchRecord:
+    return transition(tx, caller.actor, params.dispatch_id, params.worker_id,
+                      params.fencing_token, status, **columns)  # fmt: skip
+
+
+def start(tx: Tx, caller: Caller, params: DispatchFenceParams) -> DispatchRecord:
+    return _fenced(tx, caller, params, "running")
+
+
+def complete(tx: Tx, caller: Caller, params: DispatchCompleteParams) -> DispatchRecord:
+    return _fenced(tx, caller, params, "completed", exit_reason=params.exit_reason)
+
+
+def fail(tx: Tx, caller: Caller, params: DispatchFailParams) -> DispatchRecord:
+    return _fenced(tx, caller, params, "failed", error_code=params.error_code,
+                   error_summary=params.error_summary,
+                   retry_after_ms=params.retry_after_ms)  # fmt: skip
+
+
+def mark_stuck(tx: Tx, caller: Caller, params: DispatchReasonParams) -> DispatchRecord:
+    return _fenced(tx, caller, params, "stuck", exit_reason=params.reason)
+
+
+def pause(tx: Tx, caller: Caller, params: DispatchFenceParams) -> DispatchRecord:
+    return _fenced(tx, caller, params, "paused")
+
+
+def cancel(tx: Tx, caller: Caller, params: DispatchReasonParams) -> DispatchRecord:
+    return _fenced(tx, caller, params, "canceled", exit_reason=params.reason)
 
 
 def cancel_for_worker(tx: Tx, worker_id: str, reason: str, caused_by: str) -> list[int]:
@@ -308,20 +352,13 @@ def cancel_for_worker(tx: Tx, worker_id: str, reason: str, caused_by: str) -> li
 # --- queries ---------------------------------------------------------------------------------
 
 
-def list_dispatches(
-    tx: Tx,
-    unit_type: str | None,
-    unit_id: str | None,
-    milestone_id: str | None,
-    status: str | None,
-    worker_id: str | None,
-    limit: int,
-) -> DispatchListResult:
-    """The most recent ``limit`` matching rows, oldest first."""
+def list_dispatches(tx: Tx, caller: Caller, params: DispatchListParams) -> DispatchListResult:
+    """The most recent ``limit`` matching rows, oldest first; cut to fit a frame keeping
+    the most recent (flagged ``truncated``)."""
     where, args = [], []
-    for column, value in (("unit_type", unit_type), ("unit_id", unit_id),
-                          ("milestone_id", milestone_id), ("status", status),
-                          ("worker_id", worker_id)):  # fmt: skip
+    for column, value in (("unit_type", params.unit_type), ("unit_id", params.unit_id),
+                          ("milestone_id", params.milestone_id), ("status", params.status),
+                          ("worker_id", params.worker_id)):  # fmt: skip
         if value is not None:
             where.append(f"{column} = ?")
             args.append(value)
@@ -329,9 +366,10 @@ def list_dispatches(
         f"SELECT {_COLUMNS} FROM dispatches"
         + (f" WHERE {' AND '.join(where)}" if where else "")
         + " ORDER BY dispatch_id DESC LIMIT ?",
-        (*args, limit),
+        (*args, params.limit),
     ).fetchall()
-    return DispatchListResult(dispatches=[_record(row) for row in reversed(rows)])
+    listed = DispatchListResult(dispatches=[_record(row) for row in reversed(rows)])
+    return fitted(listed, tx.config.page_bytes, keep="last")
 
 
 def _recent_rows(
@@ -357,15 +395,15 @@ def _recent_rows(
     return rows
 
 
-def recent_unit_keys(
-    tx: Tx, worker_id: str | None, project_root: str | None, limit: int
-) -> DispatchRecentResult:
-    rows = _recent_rows(tx, worker_id, project_root, limit)
+def recent_unit_keys(tx: Tx, caller: Caller, params: DispatchRecentParams) -> DispatchRecentResult:
+    rows = _recent_rows(tx, params.worker_id, params.project_root, params.limit)
     return DispatchRecentResult(unit_keys=[stuck.unit_key(row[0], row[1]) for row in rows])
 
 
-def stuck_report(tx: Tx, project_root: str, window: int) -> DispatchStuckReportResult:
-    rows = _recent_rows(tx, None, project_root, window)
+def stuck_report(
+    tx: Tx, caller: Caller, params: DispatchStuckReportParams
+) -> DispatchStuckReportResult:
+    rows = _recent_rows(tx, None, params.project_root, params.window)
     attempts = [
         stuck.Attempt(stuck.unit_key(unit_type, unit_id), status, error_code, error_summary)
         for unit_type, unit_id, status, error_code, error_summary in rows

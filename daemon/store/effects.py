@@ -29,10 +29,10 @@ from typing import Any
 import msgspec
 from msgspec.structs import asdict
 
-from towerd.daemon.processes import is_alive
+from towerd.daemon.processes import Holder, is_alive
 from towerd.daemon.store import leases, quota
-from towerd.daemon.store.idempotency import Holder, log_operator_action, payload_hash
-from towerd.daemon.store.tx import Refused, Tx, note, pack, unpack
+from towerd.daemon.store.idempotency import log_operator_action, payload_hash
+from towerd.daemon.store.tx import Caller, Refused, Tx, fitted, note, pack, unpack
 from towerd.protocol import naming
 from towerd.protocol.errors import (
     EffectAlreadyCommitted,
@@ -46,7 +46,20 @@ from towerd.protocol.errors import (
     LeaseHeld,
     TowerdError,
 )
-from towerd.protocol.methods import EffectClaimParams, EffectClaimResult, EffectRecord
+from towerd.protocol.methods import (
+    EffectAbortParams,
+    EffectAttemptParams,
+    EffectClaimParams,
+    EffectClaimResult,
+    EffectCommitParams,
+    EffectFailParams,
+    EffectKeyParams,
+    EffectListParams,
+    EffectListResult,
+    EffectRecord,
+    EffectResolveParams,
+    LeaseAcquireParams,
+)
 
 LOCAL_KINDS = frozenset(naming.LOCAL_KINDS)  # this run's own namespace: safe to redo
 
@@ -151,14 +164,9 @@ def _refuse_settled(effect: _Effect) -> None:
 # --- claim ------------------------------------------------------------------------------
 
 
-def claim(
-    tx: Tx,
-    principal: str,
-    holder: Holder | None,
-    params: EffectClaimParams,
-    prefix: str = naming.DEFAULT_PREFIX,
-    quota_rows: int = quota.DEFAULT_ROWS,
-) -> EffectClaimResult | Refused:
+def claim(tx: Tx, caller: Caller, params: EffectClaimParams) -> EffectClaimResult | Refused:
+    principal, holder = caller.principal, caller.holder
+    prefix, quota_rows = tx.config.branch_prefix, tx.config.quota_rows
     key = naming.effect_key(params.run_id, params.step_id, params.action_kind, params.target_ref)
     digest = payload_hash(params.payload)
     existing = _load(tx, key)
@@ -199,7 +207,7 @@ def claim(
     if naming.effect_requires_lease(params.action_kind, params.target_ref, params.run_id, prefix):
         try:
             granted = leases.acquire(
-                tx, principal, holder, params.target_ref, params.lease_ttl_ms, quota_rows
+                tx, caller, LeaseAcquireParams(params.target_ref, params.lease_ttl_ms)
             )
         except LeaseHeld as exc:
             raise EffectLeaseHeld(
@@ -299,9 +307,9 @@ def _fence_lost(tx: Tx, effect: _Effect) -> Refused | None:
     )
 
 
-def heartbeat(
-    tx: Tx, principal: str, holder: Holder | None, key: str, attempt_id: str, lease_ttl_ms: int
-) -> EffectRecord | Refused:
+def heartbeat(tx: Tx, caller: Caller, params: EffectAttemptParams) -> EffectRecord | Refused:
+    principal, holder = caller.principal, caller.holder
+    key, attempt_id, lease_ttl_ms = params.effect_key, params.attempt_id, params.lease_ttl_ms
     effect = _require_attempt(tx, key, attempt_id)
     lost = _fence_lost(tx, effect)
     if lost is not None:
@@ -331,9 +339,8 @@ def _finish(tx: Tx, effect: _Effect, status: str, receipt: Any) -> EffectRecord:
     )
 
 
-def commit(
-    tx: Tx, principal: str, key: str, attempt_id: str, receipt: Any
-) -> EffectRecord | Refused:
+def commit(tx: Tx, caller: Caller, params: EffectCommitParams) -> EffectRecord | Refused:
+    key, attempt_id, receipt = params.effect_key, params.attempt_id, params.receipt
     effect = _require(tx, key)
     record = effect.record
     if record.status == "committed" and record.attempt_id == attempt_id:
@@ -345,19 +352,22 @@ def commit(
     return _finish(tx, effect, "committed", receipt)
 
 
-def abort(tx: Tx, key: str, attempt_id: str, reason: str | None) -> EffectRecord:
+def abort(tx: Tx, caller: Caller, params: EffectAbortParams) -> EffectRecord:
     """The effect did not happen: the row says so and its lease goes back."""
-    effect = _require_attempt(tx, key, attempt_id)
-    return _finish(tx, effect, "aborted", {"reason": reason})
+    effect = _require_attempt(tx, params.effect_key, params.attempt_id)
+    return _finish(tx, effect, "aborted", {"reason": params.reason})
 
 
-def fail(tx: Tx, key: str, attempt_id: str, error: Any) -> EffectRecord:
-    effect = _require_attempt(tx, key, attempt_id)
-    return _finish(tx, effect, "failed", {"error": error})
+def fail(tx: Tx, caller: Caller, params: EffectFailParams) -> EffectRecord:
+    effect = _require_attempt(tx, params.effect_key, params.attempt_id)
+    return _finish(tx, effect, "failed", {"error": params.error})
 
 
-def resolve(tx: Tx, principal: str, key: str, outcome: str, receipt: Any) -> EffectRecord:
+def resolve(tx: Tx, caller: Caller, params: EffectResolveParams) -> EffectRecord:
     """An operator's decision about an uncertain effect, in the operator log."""
+    principal, key, outcome, receipt = (
+        caller.principal, params.effect_key, params.outcome, params.receipt
+    )  # fmt: skip
     effect = _require(tx, key)
     record = effect.record
     if record.status != "uncertain":
@@ -373,15 +383,21 @@ def resolve(tx: Tx, principal: str, key: str, outcome: str, receipt: Any) -> Eff
 # --- reads and upkeep ---------------------------------------------------------------------
 
 
-def get(tx: Tx, key: str) -> EffectRecord:
+def get(tx: Tx, caller: Caller, params: EffectKeyParams) -> EffectRecord:
+    return record_of(tx, params.effect_key)
+
+
+def record_of(tx: Tx, key: str) -> EffectRecord:
     return _require(tx, key).record
 
 
-def list_run(tx: Tx, run_id: str) -> list[EffectRecord]:
+def list_run(tx: Tx, caller: Caller, params: EffectListParams) -> EffectListResult:
+    """A run's effects in claim order, cut to fit a frame (flagged ``truncated``)."""
     keys = tx.conn.execute(
-        "SELECT effect_key FROM effects WHERE run_id = ? ORDER BY rowid", (run_id,)
+        "SELECT effect_key FROM effects WHERE run_id = ? ORDER BY rowid", (params.run_id,)
     ).fetchall()
-    return [_require(tx, key).record for (key,) in keys]
+    listed = [_require(tx, key).record for (key,) in keys]
+    return fitted(EffectListResult(effects=listed), tx.config.page_bytes)
 
 
 def holders(tx: Tx) -> list[Holder]:

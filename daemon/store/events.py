@@ -14,14 +14,18 @@ from __future__ import annotations
 from typing import Any
 
 from towerd.daemon.store import fleet, quota
-from towerd.daemon.store.tx import Tx, note, pack, take_page, unpack
+from towerd.daemon.store.tx import Caller, Tx, fitted, note, pack, take_page, unpack
 from towerd.protocol.errors import BadArgs, NotFound
 from towerd.protocol.methods import (
+    Empty,
+    EventListParams,
     EventListResult,
+    EventRecordParams,
     EventRecordResult,
     RestorePlanEntry,
     RestorePlanResult,
     SessionActivity,
+    SessionActivityParams,
     SessionActivityResult,
     TrailEvent,
 )
@@ -38,21 +42,18 @@ def attention(exited: bool, last_kind: str | None) -> str:
     return _ATTENTION_BY_KIND.get(last_kind or "", "running")
 
 
-def record(
-    tx: Tx,
-    kind: str,
-    session_id: str | None,
-    agent_session_id: str | None,
-    payload: Any,
-    max_payload: int,
-    principal: str | None = None,
-    quota_rows: int = quota.DEFAULT_ROWS,
-) -> EventRecordResult:
+def record(tx: Tx, caller: Caller, params: EventRecordParams) -> EventRecordResult:
     """File one event. A session id must be one of this daemon's sessions; without one,
     or with one it does not know but an agent session id beside it, the agent session id
     is matched to this daemon's session (or the event is filed under it alone). The event
-    counts for ``principal``'s quota, which bounds every trail of one principal together
+    counts for the caller's quota, which bounds every trail of one principal together
     (agent session ids are the client's to choose)."""
+    kind, session_id, agent_session_id, payload = (
+        params.kind, params.session_id, params.agent_session_id, params.payload
+    )  # fmt: skip
+    max_payload, principal, quota_rows = (
+        tx.config.event_max_payload, caller.principal, tx.config.quota_rows
+    )  # fmt: skip
     if session_id is None and agent_session_id is None:
         raise BadArgs("an event needs a session_id or an agent_session_id")
     row = None
@@ -100,17 +101,18 @@ def _in(column: str, values: list[str]) -> tuple[str, list[str]]:
     return f"{column} IN ({', '.join('?' * len(distinct))})", distinct
 
 
-def list_events(
-    tx: Tx,
-    session_ids: list[str] | None,
-    agent_session_ids: list[str] | None,
-    kinds: list[str] | None,
-    before: int | None,
-    limit: int,
-    byte_budget: int,
-) -> EventListResult:
+def list_events(tx: Tx, caller: Caller, params: EventListParams) -> EventListResult:
+    """``event.list``: see :func:`page`."""
+    return page(tx, params, tx.config.page_bytes)
+
+
+def page(tx: Tx, params: EventListParams, byte_budget: int) -> EventListResult:
     """Newest first. An absent id list does not filter, an empty one matches nothing,
     and the given lists combine with OR; so a scope of only empty lists matches no row."""
+    session_ids, agent_session_ids, kinds = (
+        params.session_ids, params.agent_session_ids, params.kinds
+    )  # fmt: skip
+    before, limit = params.before, params.limit
     where: list[str] = ["event_id < ?"]
     args: list[Any] = [before if before is not None else 2**63 - 1]
     if session_ids is not None or agent_session_ids is not None:
@@ -176,7 +178,12 @@ def _latest(tx: Tx, session_id: str, agent_session_id: str | None) -> tuple[Any,
     return (newest[1] if newest else None), (kind[2] if kind else None)
 
 
-def activity(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:
+def activity(tx: Tx, caller: Caller, params: SessionActivityParams) -> SessionActivityResult:
+    """Each session's last activity and attention, cut to fit a frame."""
+    return fitted(activity_of(tx, params.session_ids), tx.config.page_bytes)
+
+
+def activity_of(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:
     rows = tx.conn.execute(
         "SELECT session_id, agent_session_id, exited FROM sessions WHERE daemon_id = ? "
         "ORDER BY rowid",
@@ -194,7 +201,12 @@ def activity(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:
     return SessionActivityResult(sessions=sessions)
 
 
-def restore_plan(tx: Tx) -> RestorePlanResult:
+def restore_plan(tx: Tx, caller: Caller, params: Empty) -> RestorePlanResult:
+    """``fleet.restore_plan``: see :func:`plan`, cut to fit a frame."""
+    return fitted(plan(tx), tx.config.page_bytes)
+
+
+def plan(tx: Tx) -> RestorePlanResult:
     """This daemon's sessions that have not exited, newest activity first, each top-level
     session followed by its own sub-sessions (newest first), so a wrapper restoring in
     order always brings a parent back before its children."""

@@ -13,17 +13,21 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from towerd.daemon.store import quota
-from towerd.daemon.store.idempotency import Holder, log_operator_action, once_under_key
+from towerd.daemon.store.idempotency import log_operator_action, once_under_key
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
-from towerd.daemon.store.tx import PAGE_BYTES, Tx, note, take_page
+from towerd.daemon.store.tx import Caller, Tx, note, take_page
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch
 from towerd.protocol.methods import (
     SESSION_FIELDS,
+    FleetAdoptParams,
     FleetAdoptResult,
+    FleetListParams,
     FleetListResult,
+    FleetWriteParams,
     FleetWriteResult,
     SessionEntry,
+    SessionIdParams,
     SessionRegisterParams,
     SessionRegisterResult,
     SessionRemoveResult,
@@ -102,11 +106,14 @@ def get_session(tx: Tx, session_id: str) -> SessionRow:
     return row_from_sql(values)
 
 
-def list_sessions(
-    tx: Tx, limit: int, cursor: int | None, byte_budget: int = PAGE_BYTES
-) -> FleetListResult:
+def get(tx: Tx, caller: Caller, params: SessionIdParams) -> SessionRow:
+    return get_session(tx, params.session_id)
+
+
+def list_sessions(tx: Tx, caller: Caller, params: FleetListParams) -> FleetListResult:
     """This daemon's rows in stored order, one page at a time (cursor = last rowid seen);
-    a page holds at most ``limit`` rows and about ``byte_budget`` encoded bytes."""
+    a page holds at most ``limit`` rows and about half a frame of encoded bytes."""
+    limit, cursor, byte_budget = params.limit, params.cursor, tx.config.page_bytes
     rows = tx.conn.execute(
         f"""SELECT rowid, {", ".join(ROW_COLUMNS)} FROM sessions
             WHERE daemon_id = ? AND rowid > ? ORDER BY rowid LIMIT ?""",
@@ -222,7 +229,7 @@ def _update_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
     _noted(tx, session_id)
 
 
-def update_session(tx: Tx, params: SessionUpdateParams) -> SessionRow:
+def update_session(tx: Tx, caller: Caller, params: SessionUpdateParams) -> SessionRow:
     """Rewrite the given fields of one row; a new parent keeps the hierarchy one level deep."""
     session_id = params.session_id
     require_writable(tx, [session_id])
@@ -273,8 +280,9 @@ def set_exited(tx: Tx, session_id: str, exited: bool) -> None:
     _update_row(tx, session_id, {"exited": exited})
 
 
-def remove_session(tx: Tx, session_id: str) -> SessionRemoveResult:
+def remove_session(tx: Tx, caller: Caller, params: SessionIdParams) -> SessionRemoveResult:
     """Delete one row; its sub-sessions become top-level."""
+    session_id = params.session_id
     require_writable(tx, [session_id])
     if _own_row(tx, session_id) is None:
         raise NotFound(
@@ -297,7 +305,12 @@ def remove_session(tx: Tx, session_id: str) -> SessionRemoveResult:
 # --- whole-fleet writes --------------------------------------------------------------
 
 
-def write_fleet(
+def write_fleet(tx: Tx, caller: Caller, params: FleetWriteParams) -> FleetWriteResult:
+    """``fleet.write``: see :func:`replace_rows`."""
+    return replace_rows(tx, params.sessions, params.removed)
+
+
+def replace_rows(
     tx: Tx, entries: Sequence[SessionEntry], removed: Sequence[str]
 ) -> FleetWriteResult:
     """Replace the given rows and delete the removed ones, in one transaction.
@@ -399,10 +412,11 @@ def agent_session_index(tx: Tx) -> dict[str, str]:
     )
 
 
-def adopt_fleet(tx: Tx, principal: str, from_daemon_id: str) -> FleetAdoptResult:
+def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptResult:
     """Move every row of a daemon that is gone for good to this daemon, at its epoch.
 
     An operator's takeover: recorded in the operator log."""
+    principal, from_daemon_id = caller.principal, params.daemon_id
     if from_daemon_id == tx.daemon_id:
         raise BadArgs("a daemon cannot adopt its own fleet")
     known = tx.conn.execute(
@@ -469,11 +483,7 @@ REGISTER_OPERATION = "session.register"
 
 
 def register_session(
-    tx: Tx,
-    principal: str,
-    params: SessionRegisterParams,
-    holder: Holder | None,
-    quota_rows: int = quota.DEFAULT_ROWS,
+    tx: Tx, caller: Caller, params: SessionRegisterParams
 ) -> SessionRegisterResult:
     """Insert one row; with an idempotency key, claim + insert + complete in this one
     transaction, so a retry answers the same session id and never inserts twice. A new
@@ -482,10 +492,11 @@ def register_session(
         return SessionRegisterResult(session_id=insert_session(tx, params))
 
     def create() -> dict[str, str]:
-        quota.require_room(tx, principal, "idempotency", quota_rows)
+        quota.require_room(tx, caller.principal, "idempotency", tx.config.quota_rows)
         return {"session_id": insert_session(tx, params)}
 
     result = once_under_key(
-        tx, principal, REGISTER_OPERATION, params, holder, create, "session_id", "a registration"
-    )
+        tx, caller.principal, REGISTER_OPERATION, params, caller.holder, create,
+        "session_id", "a registration",
+    )  # fmt: skip
     return SessionRegisterResult(session_id=result["session_id"])

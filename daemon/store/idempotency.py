@@ -20,7 +20,7 @@ import msgspec
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import quota
 from towerd.daemon.store.tx import (
-    PAGE_BYTES,
+    Caller,
     Tx,
     note,
     pack,
@@ -38,10 +38,15 @@ from towerd.protocol.errors import (
 from towerd.protocol.methods import (
     IdemClaimParams,
     IdemClaimResult,
+    IdemCompleteParams,
+    IdemKeyParams,
+    IdemListParams,
     IdemListResult,
     IdemRecord,
     IdemReleaseResult,
+    IdemReopenParams,
     IdemReopenResult,
+    IdemResolveParams,
     IdemResolveResult,
     KeyCounts,
 )
@@ -155,20 +160,16 @@ def _refuse_unsettled(row: _Row, caller: Holder | None) -> None:
     )
 
 
-def claim(
-    tx: Tx,
-    principal: str,
-    params: IdemClaimParams,
-    holder: Holder | None,
-    quota_rows: int = quota.DEFAULT_ROWS,
-) -> IdemClaimResult:
-    """Claim a key, or answer what it already holds (checked in the documented order).
+def claim(tx: Tx, caller: Caller, params: IdemClaimParams) -> IdemClaimResult:
+    """Claim a key for ``caller.holder``, or answer what it already holds (checked in the
+    documented order).
 
     A retry carrying the same ``attempt`` token as the claim that created an
     ``in_progress`` key is that claim repeated (its answer was lost), so it is
     answered ``claimed`` again. An ``outcome_unknown`` key is never re-claimed. A new
     key past the principal's quota is refused ``quota_exceeded``, a replay never is.
     """
+    principal, holder = caller.principal, caller.holder
     digest = payload_hash(params.payload)
     row = _load(tx, principal, params.operation, params.key)
     if row is not None:
@@ -189,7 +190,7 @@ def claim(
             "(replay_only: nothing recorded)",
             {"operation": params.operation, "key": params.key},
         )
-    quota.require_room(tx, principal, "idempotency", quota_rows)
+    quota.require_room(tx, principal, "idempotency", tx.config.quota_rows)
     effect_ref = params.effect_ref or str(uuid.uuid4())
     insert(
         tx,
@@ -297,9 +298,12 @@ def once_under_key(
     return result
 
 
-def complete(tx: Tx, principal: str, operation: str, key: str, result: Any) -> IdemRecord:
+def complete(tx: Tx, caller: Caller, params: IdemCompleteParams) -> IdemRecord:
     """Record the outcome. Accepted from ``in_progress`` and from ``outcome_unknown``
     (the claimant knows what happened); a repeat with the same result is a no-op."""
+    principal, operation, key, result = (
+        caller.principal, params.operation, params.key, params.result
+    )  # fmt: skip
     row = _require(tx, principal, operation, key)
     if row.record.state == COMPLETED:
         if pack_canonical(row.record.result) != pack_canonical(result):
@@ -311,8 +315,9 @@ def complete(tx: Tx, principal: str, operation: str, key: str, result: Any) -> I
     return _set_state(tx, principal, row, COMPLETED, result)
 
 
-def release(tx: Tx, principal: str, operation: str, key: str) -> IdemReleaseResult:
+def release(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemReleaseResult:
     """Drop a key whose effect never started, so a retry runs fresh. Only ``in_progress``."""
+    principal, operation, key = caller.principal, params.operation, params.key
     row = _require(tx, principal, operation, key)
     if row.record.state == COMPLETED:
         raise Conflict(
@@ -334,8 +339,9 @@ def _delete(tx: Tx, principal: str, operation: str, key: str) -> None:
                       "state": None})  # fmt: skip
 
 
-def mark_unknown(tx: Tx, principal: str, operation: str, key: str) -> IdemRecord:
+def mark_unknown(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemRecord:
     """The claimant cannot tell whether its effect happened."""
+    principal, operation, key = caller.principal, params.operation, params.key
     row = _require(tx, principal, operation, key)
     if row.record.state == COMPLETED:
         raise Conflict(
@@ -347,10 +353,10 @@ def mark_unknown(tx: Tx, principal: str, operation: str, key: str) -> IdemRecord
     return row.record
 
 
-def resolve(
-    tx: Tx, principal: str, operation: str, key: str, outcome: str, result: Any
-) -> IdemResolveResult:
+def resolve(tx: Tx, caller: Caller, params: IdemResolveParams) -> IdemResolveResult:
     """The operator's decision about an ``outcome_unknown`` key, written to the operator log."""
+    principal, operation, key = caller.principal, params.operation, params.key
+    outcome, result = params.outcome, params.result
     row = _require(tx, principal, operation, key)
     if row.record.state != OUTCOME_UNKNOWN:
         raise Conflict(
@@ -377,12 +383,12 @@ def resolve(
     return IdemResolveResult(operation=operation, key=key, outcome=outcome, record=record)
 
 
-def reopen(
-    tx: Tx, principal: str, operation: str, key: str, result: Any, reason: str | None
-) -> IdemReopenResult:
+def reopen(tx: Tx, caller: Caller, params: IdemReopenParams) -> IdemReopenResult:
     """The operator's decision to run a completed step again (it completed with a
     failure worth retrying): the key is forgotten, and the operator log says who did it,
     why, and what the outcome was. Only a completed key whose result is ``result``."""
+    principal, operation, key = caller.principal, params.operation, params.key
+    result, reason = params.result, params.reason
     row = _require(tx, principal, operation, key)
     record = row.record
     if record.state != COMPLETED:
@@ -424,20 +430,14 @@ def log_operator_action(tx: Tx, principal: str, action: str, detail: dict[str, A
 # --- reads -------------------------------------------------------------------------
 
 
-def get(tx: Tx, principal: str, operation: str, key: str) -> IdemRecord:
-    return _require(tx, principal, operation, key).record
+def get(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemRecord:
+    return _require(tx, caller.principal, params.operation, params.key).record
 
 
-def list_keys(
-    tx: Tx,
-    principal: str,
-    state: str | None,
-    operation: str | None,
-    limit: int,
-    cursor: int | None,
-    byte_budget: int = PAGE_BYTES,
-) -> IdemListResult:
+def list_keys(tx: Tx, caller: Caller, params: IdemListParams) -> IdemListResult:
     """The principal's keys in claim order, paged like ``fleet.list``."""
+    principal, state, operation = caller.principal, params.state, params.operation
+    limit, cursor, byte_budget = params.limit, params.cursor, tx.config.page_bytes
     clauses, args = ["principal = ?", "rowid > ?"], [principal, cursor or 0]
     if state is not None:
         clauses.append("state = ?")

@@ -8,26 +8,27 @@ worker, lease and effect tables, with their fences.
 
 from __future__ import annotations
 
-from typing import Any
-
 from towerd.daemon.store import quota
-from towerd.daemon.store.tx import Tx, pack, take_page, unpack
+from towerd.daemon.store.tx import Caller, Tx, pack, take_page, unpack
 from towerd.protocol.errors import BadArgs, NotFound
-from towerd.protocol.methods import KvDeleteResult, KvEntry, KvListResult
+from towerd.protocol.methods import (
+    KvDeleteResult,
+    KvEntry,
+    KvKeyParams,
+    KvListParams,
+    KvListResult,
+    KvSetParams,
+)
 
 
-def set_value(
-    tx: Tx,
-    scope: str,
-    scope_id: str,
-    key: str,
-    value: Any,
-    max_bytes: int,
-    principal: str | None = None,
-    quota_rows: int = quota.DEFAULT_ROWS,
-) -> KvEntry:
-    """Write a value; a new row counts for ``principal`` (who created it keeps it, whoever
-    overwrites it later), so one past its quota is refused, an overwrite never is."""
+def set_value(tx: Tx, caller: Caller, params: KvSetParams) -> KvEntry:
+    """Write a value; a new row counts for the caller's principal (who created it keeps
+    it, whoever overwrites it later), so one past its quota is refused, an overwrite
+    never is."""
+    scope, scope_id, key, value = params.scope, params.scope_id, params.key, params.value
+    max_bytes, principal, quota_rows = (
+        tx.config.kv_max_value, caller.principal, tx.config.quota_rows
+    )  # fmt: skip
     packed = pack(value)
     if len(packed) > max_bytes:
         raise BadArgs(
@@ -57,7 +58,8 @@ def _exists(tx: Tx, scope: str, scope_id: str, key: str) -> bool:
     )
 
 
-def get_value(tx: Tx, scope: str, scope_id: str, key: str) -> KvEntry:
+def get_value(tx: Tx, caller: Caller, params: KvKeyParams) -> KvEntry:
+    scope, scope_id, key = params.scope, params.scope_id, params.key
     row = tx.conn.execute(
         "SELECT value, updated_at FROM kv WHERE scope = ? AND scope_id = ? AND key = ?",
         (scope, scope_id, key),
@@ -70,17 +72,18 @@ def get_value(tx: Tx, scope: str, scope_id: str, key: str) -> KvEntry:
     return KvEntry(scope, scope_id, key, unpack(row[0]), row[1])
 
 
-def delete_value(tx: Tx, scope: str, scope_id: str, key: str) -> KvDeleteResult:
+def delete_value(tx: Tx, caller: Caller, params: KvKeyParams) -> KvDeleteResult:
+    scope, scope_id, key = params.scope, params.scope_id, params.key
     deleted = tx.conn.execute(
         "DELETE FROM kv WHERE scope = ? AND scope_id = ? AND key = ?", (scope, scope_id, key)
     ).rowcount
     return KvDeleteResult(deleted=deleted > 0)
 
 
-def list_values(
-    tx: Tx, scope: str, scope_id: str, after: str | None, limit: int, byte_budget: int
-) -> KvListResult:
+def list_values(tx: Tx, caller: Caller, params: KvListParams) -> KvListResult:
     """By key, paged: ``next_after`` continues after the last key of a page."""
+    scope, scope_id, after, limit = params.scope, params.scope_id, params.after, params.limit
+    byte_budget = tx.config.page_bytes
     rows = tx.conn.execute(
         "SELECT key, value, updated_at FROM kv WHERE scope = ? AND scope_id = ? AND key > ? "
         "ORDER BY key LIMIT ?",

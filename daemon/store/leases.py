@@ -21,12 +21,21 @@ from dataclasses import dataclass
 
 from msgspec.structs import asdict
 
-from towerd.daemon.processes import is_alive
+from towerd.daemon.processes import Holder, is_alive
 from towerd.daemon.store import audit, quota
-from towerd.daemon.store.idempotency import Holder
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import Caller, Tx, fitted
 from towerd.protocol.errors import LeaseExpired, LeaseHeld, LeaseNotFound, LeaseSuperseded
-from towerd.protocol.methods import LeaseAcquireResult, LeaseRecord, LeaseReleaseResult
+from towerd.protocol.methods import (
+    Empty,
+    LeaseAcquireParams,
+    LeaseAcquireResult,
+    LeaseListResult,
+    LeaseRecord,
+    LeaseReleaseResult,
+    LeaseRenewParams,
+    LeaseResourceParams,
+    LeaseTokenParams,
+)
 
 _COLUMNS = (
     "resource, fencing_token, principal, holder_pid, holder_start, acquired_at, renewed_at, "
@@ -133,15 +142,11 @@ def _held_error(lease: Lease, now: int) -> LeaseHeld:
     )
 
 
-def acquire(
-    tx: Tx,
-    principal: str,
-    holder: Holder | None,
-    resource: str,
-    ttl_ms: int,
-    quota_rows: int = quota.DEFAULT_ROWS,
-) -> LeaseAcquireResult:
-    """Grant the lease, or extend it (same token) for its current holder."""
+def acquire(tx: Tx, caller: Caller, params: LeaseAcquireParams) -> LeaseAcquireResult:
+    """Grant the lease to ``caller.holder``, or extend it (same token) for its current
+    holder."""
+    principal, holder = caller.principal, caller.holder
+    resource, ttl_ms, quota_rows = params.resource, params.ttl_ms, tx.config.quota_rows
     current = load(tx, resource)
     expires_at = tx.now + ttl_ms
     if current is not None and current.live(tx.now):
@@ -235,9 +240,9 @@ def _require_current(
     return current
 
 
-def renew(
-    tx: Tx, principal: str, holder: Holder | None, resource: str, token: int, ttl_ms: int
-) -> LeaseAcquireResult:
+def renew(tx: Tx, caller: Caller, params: LeaseRenewParams) -> LeaseAcquireResult:
+    principal, holder = caller.principal, caller.holder
+    resource, token, ttl_ms = params.resource, params.fencing_token, params.ttl_ms
     current = _require_current(tx, principal, holder, resource, token)
     expires_at = tx.now + ttl_ms
     tx.conn.execute(
@@ -249,9 +254,9 @@ def renew(
     )
 
 
-def release(
-    tx: Tx, principal: str, holder: Holder | None, resource: str, token: int
-) -> LeaseReleaseResult:
+def release(tx: Tx, caller: Caller, params: LeaseTokenParams) -> LeaseReleaseResult:
+    principal, holder = caller.principal, caller.holder
+    resource, token = params.resource, params.fencing_token
     _require_current(tx, principal, holder, resource, token)
     tx.conn.execute("DELETE FROM leases WHERE resource = ?", (resource,))
     _audit(tx, "lease-released", resource, token, principal, holder, reason="released")
@@ -286,11 +291,17 @@ def extend(tx: Tx, lease: Lease | None, resource: str, token: int, principal: st
     return expires_at
 
 
-def get(tx: Tx, resource: str) -> LeaseRecord:
+def get(tx: Tx, caller: Caller, params: LeaseResourceParams) -> LeaseRecord:
+    resource = params.resource
     current = load(tx, resource)
     if current is None:
         raise LeaseNotFound(f"no lease on {resource}", {"resource": resource})
     return current.record(tx.now)
+
+
+def list_leases(tx: Tx, caller: Caller, params: Empty) -> LeaseListResult:
+    """``lease.list``: the live leases, cut to fit a frame (flagged ``truncated``)."""
+    return fitted(LeaseListResult(leases=list_live(tx)), tx.config.page_bytes)
 
 
 def list_live(tx: Tx) -> list[LeaseRecord]:

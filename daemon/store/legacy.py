@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
-from towerd.daemon.store.fleet import agent_session_index, write_fleet
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.fleet import agent_session_index, replace_rows
+from towerd.daemon.store.tx import Caller, Tx
 from towerd.protocol.methods import (
     LegacyImported,
+    LegacyImportParams,
     LegacyImportResult,
     LegacySkip,
     Millis,
@@ -69,8 +69,9 @@ def parse_entry(raw: Any) -> LegacyEntry:
     return entry
 
 
-def import_legacy(tx: Tx, raw_entries: Sequence[Any]) -> LegacyImportResult:
+def import_legacy(tx: Tx, caller: Caller, params: LegacyImportParams) -> LegacyImportResult:
     """Mint session ids for new entries, map parents to them, write them as one fleet write."""
+    raw_entries = params.entries
     skips: list[LegacySkip] = []
     parsed: dict[str, tuple[int, LegacyEntry]] = {}
     for index, raw in enumerate(raw_entries):
@@ -125,7 +126,7 @@ def import_legacy(tx: Tx, raw_entries: Sequence[Any]) -> LegacyImportResult:
             parent = minted.get(legacy_parent) or existing.get(legacy_parent)
         entries.append(SessionEntry(session_id=minted[agent_session_id], parent=parent, **fields))
     if entries:
-        write_fleet(tx, entries, [])
+        replace_rows(tx, entries, [])
     skips.sort(key=lambda skip: skip.index)
     return LegacyImportResult(
         imported=len(entries),

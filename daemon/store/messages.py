@@ -18,10 +18,12 @@ import uuid
 import msgspec
 
 from towerd.daemon.store import quota
-from towerd.daemon.store.idempotency import Holder, once_under_key
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.idempotency import once_under_key
+from towerd.daemon.store.tx import Caller, Tx, fitted
 from towerd.protocol.errors import Conflict, NotFound
 from towerd.protocol.methods import (
+    MessageAckParams,
+    MessageListParams,
     MessageListResult,
     MessageRecord,
     SessionMessageParams,
@@ -33,15 +35,10 @@ _ORDER = {"queued": 0, "delivered": 1, "read": 2}
 _COLUMNS = "message_id, session_id, agent_session_id, text, status, created_at, updated_at"
 
 
-def send(
-    tx: Tx,
-    principal: str,
-    params: SessionMessageParams,
-    holder: Holder | None,
-    quota_rows: int = quota.DEFAULT_ROWS,
-) -> SessionMessageResult:
+def send(tx: Tx, caller: Caller, params: SessionMessageParams) -> SessionMessageResult:
     """Queue a message (a new row for ``principal``'s quota, and with a key a new key too:
     both are checked before anything is written; a replay creates neither)."""
+    principal, holder, quota_rows = caller.principal, caller.holder, tx.config.quota_rows
     if params.idempotency_key is None:
         message_id = _insert(tx, principal, params.session_id, params.text, quota_rows)
         return SessionMessageResult(message_id, "queued")
@@ -87,8 +84,10 @@ def _load(tx: Tx, message_id: str) -> MessageRecord | None:
     return None if row is None else MessageRecord(*row)
 
 
-def list_messages(tx: Tx, session_id: str, status: str | None, limit: int) -> MessageListResult:
-    """The oldest ``limit`` messages of a session (a queue is read from its head)."""
+def list_messages(tx: Tx, caller: Caller, params: MessageListParams) -> MessageListResult:
+    """The oldest ``limit`` messages of a session (a queue is read from its head), cut to
+    fit a frame."""
+    session_id, status, limit = params.session_id, params.status, params.limit
     where, args = "session_id = ?", [session_id]
     if status is not None:
         where += " AND status = ?"
@@ -97,11 +96,13 @@ def list_messages(tx: Tx, session_id: str, status: str | None, limit: int) -> Me
         f"SELECT {_COLUMNS} FROM messages WHERE {where} ORDER BY created_at, rowid LIMIT ?",
         (*args, limit),
     ).fetchall()
-    return MessageListResult(messages=[MessageRecord(*row) for row in rows])
+    listed = MessageListResult(messages=[MessageRecord(*row) for row in rows])
+    return fitted(listed, tx.config.page_bytes)
 
 
-def ack(tx: Tx, message_id: str, status: str) -> MessageRecord:
+def ack(tx: Tx, caller: Caller, params: MessageAckParams) -> MessageRecord:
     """Move a message forward (queued -> delivered -> read); acking again is a no-op."""
+    message_id, status = params.message_id, params.status
     current = _load(tx, message_id)
     if current is None:
         raise NotFound(f"no message {message_id}", {"message_id": message_id})

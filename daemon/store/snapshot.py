@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from towerd.daemon.store import dispatches, effects, events, fleet, idempotency, leases, workers
-from towerd.daemon.store.tx import Tx, fit
+from towerd.daemon.store.tx import DAEMON, Tx, fit
+from towerd.protocol.methods import DispatchListParams, EventListParams, WorkerListParams
 
 MAX_ITEMS = 500
 
@@ -30,12 +31,12 @@ def _fit(items: list[Any], budget: int) -> tuple[list[Any], bool]:
 
 def _fleet(tx: Tx, budget: int) -> dict[str, Any]:
     sessions, cut = _fit(fleet.list_all(tx), budget * 3 // 4)
-    activity = events.activity(tx, [row.session_id for row in sessions]).sessions
+    activity = events.activity_of(tx, [row.session_id for row in sessions]).sessions
     return {"sessions": sessions, "activity": activity, "truncated": cut}
 
 
 def _events(tx: Tx, budget: int) -> dict[str, Any]:
-    return {"events": events.list_events(tx, None, None, None, None, 50, budget // 4).events}
+    return {"events": events.page(tx, EventListParams(limit=50), budget // 4).events}
 
 
 def _idem(tx: Tx, budget: int) -> dict[str, Any]:
@@ -60,16 +61,24 @@ def _effects(tx: Tx, budget: int) -> dict[str, Any]:
         "ORDER BY claimed_at LIMIT ?",
         (MAX_ITEMS + 1,),
     ).fetchall()
-    unsettled, cut = _fit([effects.get(tx, key) for (key,) in keys], budget)
+    unsettled, cut = _fit([effects.record_of(tx, key) for (key,) in keys], budget)
     return {"effects": unsettled, "truncated": cut}
 
 
 def _dispatch(tx: Tx, budget: int) -> dict[str, Any]:
-    active = dispatches.list_dispatches(tx, None, None, None, "claimed", None, MAX_ITEMS)
-    running = dispatches.list_dispatches(tx, None, None, None, "running", None, MAX_ITEMS)
+    active = dispatches.list_dispatches(
+        tx, DAEMON, DispatchListParams(status="claimed", limit=MAX_ITEMS)
+    )
+    running = dispatches.list_dispatches(
+        tx, DAEMON, DispatchListParams(status="running", limit=MAX_ITEMS)
+    )
     listed = sorted(active.dispatches + running.dispatches, key=lambda d: d.dispatch_id)
     shown, cut = _fit(listed, budget // 2)
-    open_workers = [w for w in workers.list_workers(tx, None, None).workers if w.ended_at is None]
+    open_workers = [
+        w
+        for w in workers.list_workers(tx, DAEMON, WorkerListParams()).workers
+        if w.ended_at is None
+    ]
     alive, cut_workers = _fit(open_workers, budget // 2)
     return {"dispatches": shown, "workers": alive, "truncated": cut or cut_workers}
 

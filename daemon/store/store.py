@@ -1,13 +1,20 @@
-"""The state store's async face: one writer with group commit, one reader.
+"""The state store's async face: where each store function runs, and when it answers.
 
 Each store function is plain synchronous SQL on a ``Tx``; this module decides
-where and how it runs. Writes queue up for a single writer task, which takes
-every pending write, runs the whole batch in one transaction in one hop to
-the database thread, commits once (``synchronous=FULL``) and only then
-answers each caller. A failing write is rolled back to its own savepoint and
-fails alone; if SQLite abandons the whole transaction (disk full), every
-write of the batch fails and none is acknowledged. Reads run on their own
-connection and never wait behind the writer.
+where and how it runs, on four kinds of connection:
+
+* the **writer** (one aiosqlite thread): writes queue up for a single writer task,
+  which takes every pending write, runs the whole batch in one transaction in one
+  hop to that thread, commits once (``synchronous=FULL``) and only then answers
+  each caller. A write that fails after changing rows is undone alone (the batch
+  runs again with savepoints); if SQLite abandons the whole transaction (disk
+  full), every write of the batch fails and none is acknowledged;
+* the **reader** (another aiosqlite thread): slower reads and listings, never
+  waiting behind the writer;
+* the **inline reader** on the event loop itself: point reads that cost less than a
+  thread hop (``read_now``);
+* short-lived **upkeep** connections in a worker thread, one at a time: WAL
+  checkpoints, backups, health checks (``on_own_connection``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import StartRefused, check_private, ensure_private_dir
 from towerd.daemon.store import clock as clock_record
 from towerd.daemon.store import identity, schema
+from towerd.daemon.store.config import StoreConfig
 from towerd.daemon.store.reconcile import start_daemon
 from towerd.daemon.store.tx import (
     SQLITE_FULL,
@@ -42,7 +50,7 @@ from towerd.daemon.store.tx import (
     use_clock,
 )
 from towerd.protocol.errors import StaleEpoch, Unavailable
-from towerd.protocol.methods import DEFAULT_WORKER_TTL_MS, ReconcileReport
+from towerd.protocol.methods import ReconcileReport
 
 T = TypeVar("T")
 
@@ -50,29 +58,7 @@ log = structlog.get_logger("towerd.store")
 
 DB_FILE = "towerd.db"
 BACKUP_DIR = "backups"
-DAY_MS = 24 * 60 * 60 * 1000
 BUSY_TIMEOUT_MS = 5000
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    state_dir: Path
-    completed_ttl_ms: int = DAY_MS
-    worker_ttl_ms: int = DEFAULT_WORKER_TTL_MS  # a worker silent this long is reaped
-    retention_ms: int = 30 * DAY_MS  # audit events, settled dispatches, ended workers
-    event_retention_ms: int = 30 * DAY_MS  # hook events
-    events_per_session: int = 5000  # hook events kept per session, newest first
-    events_per_principal: int = 100_000  # hook events kept per principal, newest first
-    message_retention_ms: int = 30 * DAY_MS  # messages, by when they were sent
-    effect_retention_ms: int = 30 * DAY_MS  # committed, failed and aborted effects
-    quota_rows: int = 1_000_000  # rows per principal and table (daemon/store/quota.py)
-    max_batch: int = 256
-    # Open the store as this daemon id instead of the state dir's own (several
-    # daemons sharing one store; tests of ownership between daemons).
-    daemon_id: str | None = None
-    # Start an empty store (or adopt a foreign one) where a previous store's signs
-    # are found (daemon/store/identity.py).
-    new_store: bool = False
 
 
 class _DbThread:
@@ -80,7 +66,8 @@ class _DbThread:
 
     aiosqlite has no public call for "run this function on your thread", and
     one hop per transaction instead of one per statement is what makes
-    durable writes fast (see ../shared/stack-notes.md), so this wrapper is
+    durable writes fast (a hop costs ~35-120 us, a small statement 1-2 us;
+    bench/writes.py), so this wrapper is
     the single place that uses its ``_execute``; ``aiosqlite`` is pinned to
     a minor version in pyproject.toml for that reason.
     """
@@ -186,7 +173,9 @@ class Store:
         try:
             conn.execute("BEGIN")
             try:
-                return fn(Tx(conn, self.daemon_id, self.owner_epoch, now_ms()), *args)
+                return fn(
+                    Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), config=self.config), *args
+                )
             finally:
                 conn.execute("COMMIT")
         except sqlite3.Error as exc:
@@ -206,7 +195,9 @@ class Store:
         """Run ``fn(tx, *args)`` on the read connection (sees committed data only)."""
 
         def run(conn: sqlite3.Connection) -> T:
-            return fn(Tx(conn, self.daemon_id, self.owner_epoch, now_ms()), *args)
+            return fn(
+                Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), config=self.config), *args
+            )
 
         if self.lost_reason is not None:
             raise self._lost_error()
@@ -277,7 +268,7 @@ class Store:
         transaction is rolled back and the batch runs again with a savepoint per job.
         A savepoint per job costs ~20% of the batch's SQLite time (bench/writes.py,
         the two floors)."""
-        tx = Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), changes=[])
+        tx = Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), changes=[], config=self.config)
         try:
             if not self._begin(conn, jobs):
                 return

@@ -1,4 +1,9 @@
-"""What every store function receives: the connection and who is writing, when."""
+"""What every store function receives: the transaction (the connection, this daemon,
+its clock reading, its settings) and who is asking.
+
+One calling convention for the functions that serve requests: ``fn(tx, caller,
+params)``, ``params`` the method's validated Struct (protocol/methods.py); the
+route table in daemon/handlers.py maps each method to its function."""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from towerd.daemon.clock import DaemonClock
+from towerd.daemon.processes import Holder
+from towerd.daemon.store.config import DEFAULT_CONFIG, StoreConfig
 from towerd.protocol.errors import Conflict, Internal, StorageFull, TowerdError
 from towerd.protocol.framing import DEFAULT_MAX_FRAME
 
@@ -30,6 +37,24 @@ class Tx:
     owner_epoch: int
     now: int
     changes: list[tuple[str, Any]] | None = None
+    config: StoreConfig = DEFAULT_CONFIG
+
+
+@dataclass(slots=True)
+class Caller:
+    """Who is asking: fixed per connection once ``hello`` succeeded (daemon/server.py).
+    Store functions read the principal (whose keys), the holder (the process that
+    holds what it claims) and ``actor`` (who audit events name)."""
+
+    principal: str
+    pid: int
+    holder: Holder | None  # the peer process, as a key holder
+    hello_done: bool = False
+    claimed: bool = False  # this connection's process took a key, lease or effect
+
+    @property
+    def actor(self) -> str:
+        return f"{self.principal} pid {self.pid}"
 
 
 def note(tx: Tx, topic: str, data: Any) -> None:
@@ -135,6 +160,22 @@ def fit(items: list[T], byte_budget: int, *, keep: str = "first") -> tuple[list[
         kept.append(item)
     truncated = len(kept) < len(items)
     return (kept if keep == "first" else list(reversed(kept))), truncated
+
+
+R = TypeVar("R")
+
+
+def fitted(result: R, byte_budget: int, *, keep: str = "first") -> R:
+    """``result`` with its one list cut to fit ``byte_budget``, flagging ``truncated``:
+    for answers with no cursor, which over the frame limit would be ``internal``."""
+    (name,) = (f for f in result.__struct_fields__ if f != "truncated")  # type: ignore[attr-defined]
+    items, truncated = fit(getattr(result, name), byte_budget, keep=keep)
+    if not truncated:
+        return result
+    return msgspec.structs.replace(result, **{name: items, "truncated": True})  # type: ignore[type-var]
+
+
+DAEMON = Caller(principal="", pid=0, holder=None)  # the daemon itself, reading for its own ends
 
 
 SQLITE_FULL = 13

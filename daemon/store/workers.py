@@ -18,9 +18,16 @@ from msgspec.structs import asdict
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import audit
 from towerd.daemon.store.leases import describe_holder
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import Caller, Tx, fitted
 from towerd.protocol.errors import BadArgs, Conflict, NotFound
-from towerd.protocol.methods import WorkerListResult, WorkerRecord, WorkerRegisterResult
+from towerd.protocol.methods import (
+    WorkerIdParams,
+    WorkerListParams,
+    WorkerListResult,
+    WorkerRecord,
+    WorkerRegisterParams,
+    WorkerRegisterResult,
+)
 
 _COLUMNS = (
     "worker_id, principal, host, pid, process_start, version, project_root, status, "
@@ -52,16 +59,12 @@ def holder(worker: WorkerRecord) -> Holder:
     return Holder(worker.pid, worker.process_start)
 
 
-def register(
-    tx: Tx,
-    principal: str,
-    process: Holder | None,
-    project_root: str,
-    version: str | None,
-    host: str,
-    ttl_ms: int,
-) -> WorkerRegisterResult:
+def register(tx: Tx, caller: Caller, params: WorkerRegisterParams) -> WorkerRegisterResult:
     """The calling process becomes a worker; a retried register answers the same one."""
+    principal, process, project_root, version = (
+        caller.principal, caller.holder, params.project_root, params.version
+    )  # fmt: skip
+    host, ttl_ms = tx.config.host, tx.config.worker_ttl_ms
     if process is None:
         raise BadArgs("the daemon could not identify your process; a worker needs one")
     root = os.path.realpath(project_root)
@@ -107,15 +110,17 @@ def _require_open(worker: WorkerRecord, *allowed: str) -> None:
         )
 
 
-def heartbeat(tx: Tx, worker_id: str) -> WorkerRecord:
+def heartbeat(tx: Tx, caller: Caller, params: WorkerIdParams) -> WorkerRecord:
+    worker_id = params.worker_id
     worker = require(tx, worker_id)
     _require_open(worker, "active", "stopping")
     tx.conn.execute("UPDATE workers SET heartbeat_at = ? WHERE worker_id = ?", (tx.now, worker_id))
     return require(tx, worker_id)
 
 
-def stopping(tx: Tx, principal: str, process: Holder | None, worker_id: str) -> WorkerRecord:
+def stopping(tx: Tx, caller: Caller, params: WorkerIdParams) -> WorkerRecord:
     """The worker winds down: it settles what it has and claims nothing new."""
+    principal, process, worker_id = caller.principal, caller.holder, params.worker_id
     worker = require(tx, worker_id)
     if worker.status == "stopping" and worker.ended_at is None:
         return worker
@@ -131,7 +136,9 @@ def stopping(tx: Tx, principal: str, process: Holder | None, worker_id: str) -> 
     return require(tx, worker_id)
 
 
-def list_workers(tx: Tx, status: str | None, project_root: str | None) -> WorkerListResult:
+def list_workers(tx: Tx, caller: Caller, params: WorkerListParams) -> WorkerListResult:
+    """Workers by status or project, cut to fit a frame (flagged ``truncated``)."""
+    status, project_root = params.status, params.project_root
     where, args = [], []
     if status is not None:
         where.append("status = ?")
@@ -145,7 +152,8 @@ def list_workers(tx: Tx, status: str | None, project_root: str | None) -> Worker
         + " ORDER BY registered_at, worker_id",
         args,
     ).fetchall()
-    return WorkerListResult(workers=[_record(row) for row in rows])
+    listed = WorkerListResult(workers=[_record(row) for row in rows])
+    return fitted(listed, tx.config.page_bytes)
 
 
 # --- liveness ----------------------------------------------------------------------------

@@ -7,7 +7,6 @@ once fixed, the test passes and strict xfail turns it red, so the mark is remove
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import socket
 from collections.abc import Callable
@@ -21,10 +20,16 @@ import pytest
 from towerd.client import AsyncClient, Conflict, TooSlow, TowerdError
 from towerd.daemon.processes import holder_of
 from towerd.daemon.store import StoreConfig, dispatches, leases, open_store, retention, workers
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import Caller, Tx
 from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder, lite
 from towerd.protocol.errors import NotBefore
-from towerd.protocol.methods import DispatchClaimParams
+from towerd.protocol.methods import (
+    DispatchClaimParams,
+    DispatchFailParams,
+    LeaseAcquireParams,
+    WorkerIdParams,
+    WorkerRegisterParams,
+)
 from towerd_testing import Daemon, wait_for
 
 LONG = "n" * 250  # a valid Name is up to 256 characters
@@ -254,34 +259,34 @@ async def test_retention_keeps_a_failed_dispatch_whose_retry_time_is_still_ahead
 ) -> None:
     live = holder_of(os.getpid())
     assert live is not None
+    me = Caller(principal=ME, pid=live.pid, holder=live)
+    lease = LeaseAcquireParams(RESOURCE, 600_000)
     async with open_store(StoreConfig(short_tmp / "state")) as store:
         registered = await store.write(
-            workers.register, ME, live, str(short_tmp), None, "host", 60_000
+            workers.register, me, WorkerRegisterParams(project_root=str(short_tmp))
         )
         worker_id = registered.worker_id
-        token = (await store.write(leases.acquire, ME, live, RESOURCE, 600_000)).fencing_token
+        token = (await store.write(leases.acquire, me, lease)).fencing_token
         params = DispatchClaimParams(
             worker_id=worker_id, lease_resource=RESOURCE, fencing_token=token,
             unit_type="execute-task", unit_id="T01", milestone_id="M001", trace_id="t",
         )  # fmt: skip
-        claimed = await store.write(dispatches.claim, "actor", params)
-        fail = functools.partial(
-            dispatches.transition,
+        claimed = await store.write(dispatches.claim, me, params)
+        failure = DispatchFailParams(
+            dispatch_id=claimed.dispatch_id, worker_id=worker_id, fencing_token=token,
             error_code="E_RATE", error_summary="rate limited", retry_after_ms=10 * DAY,
         )  # fmt: skip
-        failed = await store.write(fail, "actor", claimed.dispatch_id, worker_id, token, "failed")
+        failed = await store.write(dispatches.fail, me, failure)
         assert failed.next_run_at is not None
 
         # Two days later (retention 1 day): the retry is still 8 days away.
         later = 2 * DAY
         await store.write(at(later, retention.prune_history), DAY)
-        await store.write(at(later, workers.heartbeat), worker_id)
-        new_token = (
-            await store.write(at(later, leases.acquire), ME, live, RESOURCE, 600_000)
-        ).fencing_token
+        await store.write(at(later, workers.heartbeat), me, WorkerIdParams(worker_id))
+        new_token = (await store.write(at(later, leases.acquire), me, lease)).fencing_token
         again = msgspec.structs.replace(params, fencing_token=new_token)
         try:
-            outcome: Any = await store.write(at(later, dispatches.claim), "actor", again)
+            outcome: Any = await store.write(at(later, dispatches.claim), me, again)
         except TowerdError as exc:
             outcome = exc
     # Asserted outside the store's task group (it would wrap a failure in a group).

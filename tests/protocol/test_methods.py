@@ -23,13 +23,19 @@ SAMPLE_UUID = "0f0e0d0c-0b0a-4009-8807-060504030201"
 ANY_VALUE = {"nested": [1, "two", None, True, 2.5, {"k": b"\x00\x01"}]}
 
 
+# Fields a Struct refuses to have set together: the sample leaves these at their default.
+EXCLUSIVE: dict[type, dict[str, Any]] = {m.DispatchRecentParams: {"worker_id": None}}
+
+
 def build(info: mi.Type, salt: int = 0) -> Any:
     """A valid value of a msgspec type, preferring
     non-null branches so every field is exercised."""
     if isinstance(info, mi.Metadata):
         return build(info.type, salt)
     if isinstance(info, mi.StructType):
-        return info.cls(**{f.name: build(f.type, salt + i) for i, f in enumerate(info.fields)})
+        values = {f.name: build(f.type, salt + i) for i, f in enumerate(info.fields)}
+        values.update(EXCLUSIVE.get(info.cls, {}))
+        return info.cls(**values)
     if isinstance(info, mi.UnionType):
         non_null = [t for t in info.types if not isinstance(t, mi.NoneType)]
         return build(non_null[0], salt) if non_null else None
@@ -82,7 +88,7 @@ def test_every_message_type_round_trips(method: str, role: str, cls: type) -> No
     # The sample sets every field away from its default, so nothing round trips by
     # omission.
     for field in msgspec.structs.fields(cls):
-        if field.default is not msgspec.NODEFAULT:
+        if field.default is not msgspec.NODEFAULT and field.name not in EXCLUSIVE.get(cls, {}):
             assert getattr(decoded, field.name) != field.default, field.name
 
 

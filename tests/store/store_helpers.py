@@ -11,8 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from towerd.daemon.store import DB_FILE, Store, StoreConfig, fleet, open_store
-from towerd.daemon.store.tx import Tx
-from towerd.protocol.methods import SessionEntry, SessionRegisterParams, SessionRow
+from towerd.daemon.processes import Holder
+from towerd.daemon.store.tx import Caller, Tx
+from towerd.protocol.methods import (
+    FleetListParams,
+    SessionEntry,
+    SessionRegisterParams,
+    SessionRow,
+)
 
 
 def new_id() -> str:
@@ -68,7 +74,7 @@ def _all_rows(tx: Tx) -> list[SessionRow]:
     rows: list[SessionRow] = []
     cursor = None
     while True:
-        page = fleet.list_sessions(tx, 5000, cursor)
+        page = fleet.list_sessions(tx, caller(), FleetListParams(limit=5000, cursor=cursor))
         rows += page.sessions
         if page.next_cursor is None:
             return rows
@@ -92,3 +98,10 @@ def all_session_rows(root: Path) -> list[tuple[Any, ...]]:
         "SELECT session_id, agent_session_id, parent, daemon_id, owner_epoch "
         "FROM sessions ORDER BY rowid",
     )
+
+
+def caller(principal: str = "default", holder: Holder | None = None, pid: int = 0) -> Caller:
+    """Who asks, as a store function sees it (``fn(tx, caller, params)``): the principal
+    whose keys these are, the holder process of what it claims (None: held by nobody),
+    and the pid audit events name."""
+    return Caller(principal=principal, pid=pid or (holder.pid if holder else 0), holder=holder)

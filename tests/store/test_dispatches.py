@@ -1,11 +1,14 @@
 """Workers, the work-dispatch ledger, the audit log and retention, on a real store.
 
 Every test runs store functions in the real writer (``store.write``) on a real
-SQLite file. The clock is moved by running a store function on a Tx whose ``now``
-is shifted or set (``at``, ``clock``), never by sleeping. A live worker process is
-this test process; another live one is a ``sleep`` child; a dead one is a child
-that was started, killed and reaped; a reused pid is this pid with another start
-time.
+SQLite file, each request as its route in daemon/handlers.py runs it: ``fn(tx,
+caller, params)``, the caller (principal, process) asking, the params saying what.
+The clock is moved by running a store function on a Tx whose ``now`` is shifted or
+set (``at``, ``clock``), never by sleeping; a setting (host, worker TTL, a page's
+byte budget) by running it on a Tx whose config carries it (``configured``). A live
+worker process is this test process; another live one is a ``sleep`` child; a dead
+one is a child that was started, killed and reaped; a reused pid is this pid with
+another start time.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from store_helpers import db_path, execute, opened, query, register, state_dir
+from store_helpers import caller, db_path, execute, opened, query, register, state_dir
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import (
     Store,
@@ -37,7 +40,7 @@ from towerd.daemon.store import (
     schema,
     workers,
 )
-from towerd.daemon.store.tx import Tx, unpack
+from towerd.daemon.store.tx import Caller, Tx, unpack
 from towerd.protocol.errors import (
     AlreadyActive,
     AttemptsExhausted,
@@ -49,11 +52,30 @@ from towerd.protocol.errors import (
 )
 from towerd.protocol.methods import (
     AuditEvent,
+    AuditListParams,
+    AuditListResult,
     DispatchClaimParams,
     DispatchClaimResult,
+    DispatchCompleteParams,
+    DispatchFailParams,
+    DispatchFenceParams,
+    DispatchIdParams,
+    DispatchListParams,
+    DispatchReasonParams,
+    DispatchRecentParams,
     DispatchRecord,
+    DispatchStuckReportParams,
+    DispatchStuckReportResult,
+    LeaseAcquireParams,
+    LeaseRecord,
+    LeaseRenewParams,
+    LeaseResourceParams,
+    LeaseTokenParams,
     StuckVerdict,
+    WorkerIdParams,
     WorkerRecord,
+    WorkerRegisterParams,
+    WorkerRegisterResult,
 )
 
 pytestmark = pytest.mark.anyio
@@ -71,6 +93,8 @@ assert _me is not None
 LIVE: Holder = _me  # this test process
 REUSED = Holder(LIVE.pid, LIVE.start + 1)  # this pid with another start time: not alive
 ACTOR = f"{ME} pid {LIVE.pid}"
+WHO: Caller = caller(ME, holder=LIVE)  # who sends the dispatch requests: audited as ACTOR
+assert WHO.actor == ACTOR
 
 
 # --- clock and processes -------------------------------------------------------------------
@@ -90,6 +114,15 @@ def clock(now: int, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def run(tx: Tx, *args: Any) -> Any:
         return fn(dataclasses.replace(tx, now=now), *args)
+
+    return run
+
+
+def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
+    """``fn`` run on a Tx whose config has ``settings`` (as towerd's options set them)."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
 
     return run
 
@@ -138,17 +171,55 @@ def project(root: Path, name: str = "project") -> Path:
     return path
 
 
+async def worker_register(
+    store: Store,
+    root: Path | str,
+    holder: Holder | None = LIVE,
+    version: str | None = "1.2.3",
+    shift: int = 0,
+) -> WorkerRegisterResult:
+    """worker.register by ``holder`` (a process of ME), on a daemon of host HOST whose
+    workers are reaped after WORKER_TTL."""
+    fn = configured(at(shift, workers.register), host=HOST, worker_ttl_ms=WORKER_TTL)
+    params = WorkerRegisterParams(project_root=str(root), version=version)
+    return await store.write(fn, caller(ME, holder), params)
+
+
 async def register_worker(
     store: Store, root: Path | str, holder: Holder | None = LIVE, version: str | None = "1.2.3"
 ) -> str:
-    result = await store.write(workers.register, ME, holder, str(root), version, HOST, WORKER_TTL)
-    return result.worker_id
+    return (await worker_register(store, root, holder, version)).worker_id
+
+
+async def worker_heartbeat(store: Store, worker_id: str, shift: int = 0) -> WorkerRecord:
+    params = WorkerIdParams(worker_id=worker_id)
+    return await store.write(at(shift, workers.heartbeat), WHO, params)
+
+
+async def worker_stopping(store: Store, holder: Holder, worker_id: str) -> WorkerRecord:
+    params = WorkerIdParams(worker_id=worker_id)
+    return await store.write(workers.stopping, caller(ME, holder), params)
 
 
 async def acquire(
     store: Store, holder: Holder | None, resource: str = RES, shift: int = 0, ttl: int = LEASE_TTL
 ) -> int:
-    return (await store.write(at(shift, leases.acquire), ME, holder, resource, ttl)).fencing_token
+    params = LeaseAcquireParams(resource=resource, ttl_ms=ttl)
+    return (await store.write(at(shift, leases.acquire), caller(ME, holder), params)).fencing_token
+
+
+async def renew(store: Store, holder: Holder, resource: str, token: int, ttl: int) -> Any:
+    params = LeaseRenewParams(resource=resource, fencing_token=token, ttl_ms=ttl)
+    return await store.write(leases.renew, caller(ME, holder), params)
+
+
+async def release(store: Store, holder: Holder, resource: str, token: int) -> Any:
+    params = LeaseTokenParams(resource=resource, fencing_token=token)
+    return await store.write(leases.release, caller(ME, holder), params)
+
+
+async def lease_record(store: Store, resource: str, shift: int = 0) -> LeaseRecord:
+    return await store.read(at(shift, leases.get), WHO, LeaseResourceParams(resource=resource))
 
 
 async def new_worker(
@@ -172,10 +243,10 @@ async def claim(
     store: Store, w: W, unit_id: str = "T01", shift: int = 0, now: int | None = None, **fields: Any
 ) -> DispatchClaimResult:
     fn = at(shift, dispatches.claim) if now is None else clock(now, dispatches.claim)
-    return await store.write(fn, ACTOR, params(w, unit_id, **fields))
+    return await store.write(fn, WHO, params(w, unit_id, **fields))
 
 
-# op -> (status it moves to, the columns its handler passes)
+# op -> (status it moves to, the columns its request sets)
 OPS: dict[str, tuple[str, dict[str, Any]]] = {
     "start": ("running", {}),
     "complete": ("completed", {"exit_reason": "done"}),
@@ -187,6 +258,21 @@ OPS: dict[str, tuple[str, dict[str, Any]]] = {
     "pause": ("paused", {}),
     "cancel": ("canceled", {"exit_reason": "operator"}),
 }
+
+# op -> (its store function, its params Struct, the params field that carries each column)
+REQUESTS: dict[str, tuple[Callable[..., Any], type, dict[str, str]]] = {
+    "start": (dispatches.start, DispatchFenceParams, {}),
+    "complete": (dispatches.complete, DispatchCompleteParams, {"exit_reason": "exit_reason"}),
+    "fail": (
+        dispatches.fail,
+        DispatchFailParams,
+        {c: c for c in ("error_code", "error_summary", "retry_after_ms")},
+    ),
+    "stuck": (dispatches.mark_stuck, DispatchReasonParams, {"exit_reason": "reason"}),
+    "pause": (dispatches.pause, DispatchFenceParams, {}),
+    "cancel": (dispatches.cancel, DispatchReasonParams, {"exit_reason": "reason"}),
+}
+assert REQUESTS.keys() == OPS.keys()
 
 
 async def move(
@@ -201,22 +287,23 @@ async def move(
     now: int | None = None,
     **columns: Any,
 ) -> DispatchRecord:
-    """Run one transition the way its handler does."""
-    status, defaults = OPS[op]
-    fn = functools.partial(dispatches.transition, **{**defaults, **columns})
-    timed = at(shift, fn) if now is None else clock(now, fn)
-    return await store.write(
-        timed,
-        ACTOR,
-        dispatch_id,
-        w.worker_id if worker_id is None else worker_id,
-        w.token if token is None else token,
-        status,
+    """Run one transition the way its route does, as WHO. A column the op's params have
+    no field for (a repeat's other details) is not sent: the request cannot carry it."""
+    _status, defaults = OPS[op]
+    fn, params_type, fields = REQUESTS[op]
+    carried = {fields[c]: value for c, value in {**defaults, **columns}.items() if c in fields}
+    request = params_type(
+        dispatch_id=dispatch_id,
+        worker_id=w.worker_id if worker_id is None else worker_id,
+        fencing_token=w.token if token is None else token,
+        **carried,
     )
+    timed = at(shift, fn) if now is None else clock(now, fn)
+    return await store.write(timed, WHO, request)
 
 
 async def get(store: Store, dispatch_id: int) -> DispatchRecord:
-    return await store.read(dispatches.get, dispatch_id)
+    return await store.read(dispatches.get, WHO, DispatchIdParams(dispatch_id=dispatch_id))
 
 
 async def worker_row(store: Store, worker_id: str) -> WorkerRecord:
@@ -245,6 +332,25 @@ async def dispatch_count(store: Store) -> int:
     return (await sql(store, "SELECT count(*) FROM dispatches"))[0][0]
 
 
+async def audit_page(
+    store: Store, category: str | None, type: str | None, trace_id: str | None,
+    before: int | None, limit: int, budget: int,
+) -> AuditListResult:  # fmt: skip
+    """One ``audit.list`` page under a byte budget of ``budget`` (a frame twice that size)."""
+    params = AuditListParams(
+        category=category, type=type, trace_id=trace_id, before=before, limit=limit
+    )
+    return await store.read(configured(audit.list_events, max_frame=2 * budget), WHO, params)
+
+
+async def stuck_report(
+    store: Store, root: Path, window: int, now: int | None = None
+) -> DispatchStuckReportResult:
+    fn = dispatches.stuck_report if now is None else clock(now, dispatches.stuck_report)
+    params = DispatchStuckReportParams(project_root=str(root), window=window)
+    return await store.read(fn, WHO, params)
+
+
 def as_dict(record: msgspec.Struct) -> dict[str, Any]:
     return {name: getattr(record, name) for name in record.__struct_fields__}
 
@@ -263,7 +369,7 @@ async def test_register_stores_the_process_and_the_real_project_root(short_tmp: 
     link = short_tmp / "link"
     link.symlink_to(real)
     async with opened(short_tmp) as store:
-        result = await store.write(workers.register, ME, LIVE, str(link), "1.2.3", HOST, WORKER_TTL)
+        result = await worker_register(store, link)
         assert (result.heartbeat_ttl_ms, result.existing) == (WORKER_TTL, False)
         assert result.worker_id.startswith("wrk_")
         [row] = await sql(store, "SELECT * FROM workers")
@@ -291,11 +397,9 @@ async def test_a_retried_register_answers_the_same_worker(short_tmp: Path) -> No
     real = project(short_tmp)
     (short_tmp / "link").symlink_to(real)
     async with opened(short_tmp) as store:
-        first = await store.write(workers.register, ME, LIVE, str(real), None, HOST, WORKER_TTL)
+        first = await worker_register(store, real, version=None)
         before = await worker_row(store, first.worker_id)
-        again = await store.write(
-            at(5_000, workers.register), ME, LIVE, str(short_tmp / "link"), None, HOST, WORKER_TTL
-        )
+        again = await worker_register(store, short_tmp / "link", version=None, shift=5_000)
         assert (again.worker_id, again.existing) == (first.worker_id, True)
         after = await worker_row(store, first.worker_id)
         assert after.heartbeat_at >= before.heartbeat_at + 5_000
@@ -315,7 +419,7 @@ async def test_register_refuses_another_root_a_stopping_worker_and_no_process(
             await register_worker(store, project(short_tmp, "b"))
         assert other_root.value.data == {"worker": as_dict(await worker_row(store, worker_id))}
 
-        await store.write(workers.stopping, ME, LIVE, worker_id)
+        await worker_stopping(store, LIVE, worker_id)
         with pytest.raises(Conflict) as stopping:
             await register_worker(store, short_tmp / "a")
         assert stopping.value.data["worker"]["status"] == "stopping"
@@ -335,14 +439,14 @@ async def test_heartbeat_and_stopping(short_tmp: Path) -> None:
     async with opened(short_tmp) as store:
         worker_id = await register_worker(store, project(short_tmp))
         before = await worker_row(store, worker_id)
-        beat = await store.write(at(7_000, workers.heartbeat), worker_id)
+        beat = await worker_heartbeat(store, worker_id, shift=7_000)
         assert beat.heartbeat_at >= before.heartbeat_at + 7_000
         assert msgspec.structs.replace(beat, heartbeat_at=before.heartbeat_at) == before
 
-        stopped = await store.write(workers.stopping, ME, LIVE, worker_id)
+        stopped = await worker_stopping(store, LIVE, worker_id)
         assert (stopped.status, stopped.ended_at, stopped.end_reason) == ("stopping", None, None)
-        assert await store.write(workers.stopping, ME, LIVE, worker_id) == stopped
-        assert (await store.write(workers.heartbeat, worker_id)).status == "stopping"
+        assert await worker_stopping(store, LIVE, worker_id) == stopped
+        assert (await worker_heartbeat(store, worker_id)).status == "stopping"
         assert [e.type for e in await events(store)] == ["worker-registered", "worker-stopping"]
         stopping_event = (await events(store))[-1]
         assert (stopping_event.trace_id, stopping_event.actor, stopping_event.payload) == (
@@ -350,14 +454,14 @@ async def test_heartbeat_and_stopping(short_tmp: Path) -> None:
         )  # fmt: skip
 
         with pytest.raises(NotFound) as missing:
-            await store.write(workers.heartbeat, "wrk_nobody")
+            await worker_heartbeat(store, "wrk_nobody")
         assert missing.value.data == {"worker_id": "wrk_nobody"}
 
         await store.write(liveness.settle, [LIVE], WORKER_TTL)  # as if this process had exited
         with pytest.raises(Conflict):
-            await store.write(workers.heartbeat, worker_id)
+            await worker_heartbeat(store, worker_id)
         with pytest.raises(Conflict):
-            await store.write(workers.stopping, ME, LIVE, worker_id)
+            await worker_stopping(store, LIVE, worker_id)
 
 
 # --- claim ---------------------------------------------------------------------------------
@@ -427,9 +531,7 @@ async def test_claim_without_a_current_lease_is_stale_lease(
         events_before = await event_count(store)
         with pytest.raises(StaleLease) as stale:
             await claim(store, w, shift=shift)
-        lease = (
-            None if case == "no-lease" else as_dict(await store.read(at(shift, leases.get), RES))
-        )
+        lease = None if case == "no-lease" else as_dict(await lease_record(store, RES, shift))
         assert stale.value.data == {
             "worker_id": worker_id,
             "lease_resource": RES,
@@ -445,11 +547,11 @@ async def test_a_stopping_worker_claims_nothing_new(short_tmp: Path) -> None:
     answers first (StaleLease)."""
     async with opened(short_tmp) as store:
         w = await new_worker(store, project(short_tmp))
-        await store.write(workers.stopping, ME, LIVE, w.worker_id)
+        await worker_stopping(store, LIVE, w.worker_id)
         with pytest.raises(Conflict) as conflict:
             await claim(store, w)
         assert conflict.value.data == {"worker": as_dict(await worker_row(store, w.worker_id))}
-        await store.write(leases.release, ME, LIVE, RES, w.token)
+        await release(store, LIVE, RES, w.token)
         with pytest.raises(StaleLease):
             await claim(store, w)
         assert await dispatch_count(store) == 0
@@ -496,11 +598,11 @@ async def test_an_active_dispatch_whose_fence_broke_is_taken_over(
         await move(store, old, first.dispatch_id, "start")
         shift = 0
         if how == "superseded":  # released, then granted to the new worker: token 2
-            await store.write(leases.release, ME, child, "repo/old", old.token)
+            await release(store, child, "repo/old", old.token)
             new = W(new.worker_id, LIVE, "repo/old", await acquire(store, LIVE, "repo/old"))
             assert new.token == old.token + 1
         elif how == "released":
-            await store.write(leases.release, ME, child, "repo/old", old.token)
+            await release(store, child, "repo/old", old.token)
         elif how == "expired":
             shift = LEASE_TTL
             token = await acquire(store, LIVE, "repo/new", shift=shift)  # its own lease, renewed
@@ -546,7 +648,7 @@ async def test_a_refused_claim_still_cancels_the_stale_dispatch_it_found(
         old = await new_worker(store, root, child, "repo/old")
         new = await new_worker(store, root, LIVE, "repo/new")
         first = await claim(store, old, max_attempts=1)
-        await store.write(leases.release, ME, child, "repo/old", old.token)
+        await release(store, child, "repo/old", old.token)
         with pytest.raises(AttemptsExhausted):
             await claim(store, new, max_attempts=1)
         stale = await get(store, first.dispatch_id)
@@ -724,7 +826,7 @@ async def test_a_transition_after_the_lease_is_gone_is_stale_lease(
         await move(store, w, dispatch_id, "start")
         shift = 0
         if how in ("released", "superseded"):
-            await store.write(leases.release, ME, child, RES, w.token)
+            await release(store, child, RES, w.token)
             if how == "superseded":
                 assert await acquire(store, child) == w.token + 1
         elif how == "expired":
@@ -751,7 +853,7 @@ async def test_a_stopping_worker_still_settles_its_dispatches(short_tmp: Path) -
     async with opened(short_tmp) as store:
         w = await new_worker(store, project(short_tmp))
         dispatch_id = (await claim(store, w)).dispatch_id
-        await store.write(workers.stopping, ME, LIVE, w.worker_id)
+        await worker_stopping(store, LIVE, w.worker_id)
         await move(store, w, dispatch_id, "start")
         assert (await move(store, w, dispatch_id, "complete")).status == "completed"
 
@@ -903,7 +1005,7 @@ async def test_a_silent_worker_is_crashed_at_the_ttl_though_its_process_lives(
         [crashed] = [e for e in await events(store) if e.type == "worker-crashed"]
         assert crashed.payload["reason"] == "heartbeat-timeout"
 
-        again = await store.write(workers.register, ME, LIVE, str(root), None, HOST, WORKER_TTL)
+        again = await worker_register(store, root, version=None)
         assert (again.existing, again.worker_id != w.worker_id) == (False, True)
 
 
@@ -915,7 +1017,7 @@ async def test_a_silent_stopping_worker_is_ended_at_the_ttl(short_tmp: Path) -> 
     async with opened(short_tmp) as store:
         w = await new_worker(store, project(short_tmp))
         dispatch_id = (await claim(store, w)).dispatch_id
-        await store.write(workers.stopping, ME, LIVE, w.worker_id)
+        await worker_stopping(store, LIVE, w.worker_id)
         deadline = (await worker_row(store, w.worker_id)).heartbeat_at + WORKER_TTL
         assert (await store.read(clock(deadline, liveness.to_check), WORKER_TTL))[1] is True
         report = await store.write(clock(deadline, liveness.settle), [], WORKER_TTL)
@@ -936,7 +1038,7 @@ async def test_a_stopping_workers_exit_ends_it_as_stopping(
         proc, child = spawn()
         w = await new_worker(store, project(short_tmp), child)
         dispatch_id = (await claim(store, w)).dispatch_id
-        await store.write(workers.stopping, ME, child, w.worker_id)
+        await worker_stopping(store, child, w.worker_id)
         kill(proc)
         events_before = await event_count(store)
         report = await store.write(liveness.settle, [child], WORKER_TTL)
@@ -978,8 +1080,8 @@ async def test_every_state_change_has_exactly_one_event(
     async with opened(short_tmp) as store:
         root = project(short_tmp)
         w = await new_worker(store, root)  # worker-registered, lease-granted
-        await store.write(leases.renew, ME, LIVE, RES, w.token, LEASE_TTL)
-        await store.write(workers.heartbeat, w.worker_id)
+        await renew(store, LIVE, RES, w.token, LEASE_TTL)
+        await worker_heartbeat(store, w.worker_id)
         await register_worker(store, root)  # a retried register
         history: dict[int, list[str]] = {}
 
@@ -1003,7 +1105,7 @@ async def test_every_state_change_has_exactly_one_event(
         with pytest.raises(Conflict):
             await move(store, w, done, "fail")
         token = await acquire(store, LIVE, "repo/tmp")  # lease-granted
-        await store.write(leases.release, ME, LIVE, "repo/tmp", token)  # lease-released
+        await release(store, LIVE, "repo/tmp", token)  # lease-released
 
         proc, child = spawn()
         c = await new_worker(store, root, child, "repo/child")  # worker-registered, lease-granted
@@ -1013,7 +1115,7 @@ async def test_every_state_change_has_exactly_one_event(
         kill(proc)
         await store.write(liveness.settle, [child], WORKER_TTL)  # crashed, released, canceled
 
-        await store.write(workers.stopping, ME, LIVE, w.worker_id)  # worker-stopping
+        await worker_stopping(store, LIVE, w.worker_id)  # worker-stopping
         await move(store, w, last, "complete")
         history[last].append("dispatch-completed")
 
@@ -1026,8 +1128,8 @@ async def test_every_state_change_has_exactly_one_event(
         }  # fmt: skip
         assert len({e.event_id for e in logged}) == len(logged)
         assert [e.seq for e in logged] == sorted(e.seq for e in logged)
-        rows = {row.dispatch_id: row for row in (await store.read(
-            dispatches.list_dispatches, None, None, None, None, None, 100)).dispatches}  # fmt: skip
+        listed = await store.read(dispatches.list_dispatches, WHO, DispatchListParams(limit=100))
+        rows = {row.dispatch_id: row for row in listed.dispatches}
         for dispatch_id, expected in history.items():
             mine = [e for e in logged if e.category == "dispatch"
                     and e.payload["dispatch_id"] == dispatch_id]  # fmt: skip
@@ -1058,7 +1160,7 @@ async def test_audit_list_pages_newest_first_and_filters(short_tmp: Path) -> Non
 
         pages, before = [], None
         while True:
-            page = await store.read(audit.list_events, None, None, None, before, 3, 1 << 20)
+            page = await audit_page(store, None, None, None, before, 3, 1 << 20)
             pages.append(page.events)
             if page.next_before is None:
                 break
@@ -1067,13 +1169,13 @@ async def test_audit_list_pages_newest_first_and_filters(short_tmp: Path) -> Non
         assert [len(p) for p in pages] == [3, 3, 2]
         assert [e for p in pages for e in p] == newest_first
 
-        tiny = await store.read(audit.list_events, None, None, None, None, 50, 1)
+        tiny = await audit_page(store, None, None, None, None, 50, 1)
         assert (tiny.events, tiny.next_before) == ([newest_first[0]], newest_first[0].seq)
-        whole = await store.read(audit.list_events, None, None, None, None, 8, 1 << 20)
+        whole = await audit_page(store, None, None, None, None, 8, 1 << 20)
         assert (whole.events, whole.next_before) == (newest_first, None)
 
         def listed(category: str | None, type: str | None, trace: str | None) -> Any:
-            return store.read(audit.list_events, category, type, trace, None, 50, 1 << 20)
+            return audit_page(store, category, type, trace, None, 50, 1 << 20)
 
         assert [e.type for e in (await listed("worker", None, None)).events] == [
             "worker-registered"
@@ -1120,9 +1222,8 @@ async def test_list_dispatches_is_the_most_recent_oldest_first(short_tmp: Path) 
                 await move(store, w, dispatch_id, "complete")
 
         async def listed(limit: int = 50, **filters: Any) -> list[int]:
-            args = [filters.get(k) for k in
-                    ("unit_type", "unit_id", "milestone_id", "status", "worker_id")]  # fmt: skip
-            result = await store.read(dispatches.list_dispatches, *args, limit)
+            request = DispatchListParams(limit=limit, **filters)
+            result = await store.read(dispatches.list_dispatches, WHO, request)
             return [row.dispatch_id for row in result.dispatches]
 
         assert await listed() == ids
@@ -1155,9 +1256,10 @@ async def test_recent_unit_keys_oldest_first_without_crashed_workers(
         mine = [key("M001/S01/T01"), key("M001/S01", "plan-slice"), key("M001/S01/T02")]
 
         async def recent(worker_id: str | None, root: Path | None, limit: int = 20) -> list[str]:
-            result = await store.read(
-                dispatches.recent_unit_keys, worker_id, None if root is None else str(root), limit
+            request = DispatchRecentParams(
+                worker_id=worker_id, project_root=None if root is None else str(root), limit=limit
             )
+            result = await store.read(dispatches.recent_unit_keys, WHO, request)
             return result.unit_keys
 
         assert await recent(w.worker_id, None) == mine
@@ -1180,13 +1282,13 @@ async def test_stuck_report_same_unit_three_times(short_tmp: Path) -> None:
             dispatch_id = (await claim(store, w, "M001/S01/T01")).dispatch_id
             await move(store, w, dispatch_id, "complete")
         unit = key("M001/S01/T01")
-        report = await store.read(dispatches.stuck_report, str(root), 20)
+        report = await stuck_report(store, root, 20)
         assert report.stuck is True
         assert report.verdict == StuckVerdict(
             "same-unit-consecutive", unit, f"{unit} dispatched 3 consecutive times without progress"
         )
         assert (report.suppressed, report.window) == ([], [unit] * 3)
-        short = await store.read(dispatches.stuck_report, str(root), 2)
+        short = await stuck_report(store, root, 2)
         assert (short.stuck, short.window) == (False, [unit] * 2)
 
 
@@ -1199,7 +1301,7 @@ async def test_stuck_report_oscillation_tells_types_apart(short_tmp: Path) -> No
             dispatch_id = (await claim(store, w, "S01", unit_type=unit_type)).dispatch_id
             await move(store, w, dispatch_id, "complete")
         a, b = key("S01"), key("S01", "plan-slice")
-        report = await store.read(dispatches.stuck_report, str(root), 20)
+        report = await stuck_report(store, root, 20)
         assert report.verdict == StuckVerdict(
             "oscillation", b,
             f"Oscillation detected: {a} <-> {b}, alternating over the last 4 attempts",
@@ -1229,7 +1331,7 @@ async def test_stuck_report_suppresses_a_unit_waiting_on_its_retry(short_tmp: Pa
         )
 
         async def report_at(now: int) -> Any:
-            return await store.read(clock(now, dispatches.stuck_report), str(root), 20)
+            return await stuck_report(store, root, 20, now)
 
         waiting = await report_at(failed.next_run_at - 1)
         assert (waiting.stuck, waiting.verdict, waiting.suppressed) == (False, None, [same_error])

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from store_helpers import opened, query
+from store_helpers import caller, opened, query
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import Store, effects, leases, liveness
 from towerd.daemon.store import idempotency as idem
@@ -38,11 +38,23 @@ from towerd.protocol.errors import (
     LeaseHeld,
 )
 from towerd.protocol.methods import (
+    EffectAbortParams,
+    EffectAttemptParams,
     EffectClaimParams,
     EffectClaimResult,
+    EffectCommitParams,
+    EffectFailParams,
+    EffectKeyParams,
+    EffectListParams,
     EffectRecord,
+    EffectResolveParams,
     IdemClaimParams,
+    IdemListParams,
+    IdemListResult,
+    LeaseAcquireParams,
     LeaseRecord,
+    LeaseResourceParams,
+    LeaseTokenParams,
 )
 
 pytestmark = pytest.mark.anyio
@@ -65,6 +77,15 @@ def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     def run(tx: Tx, *args: Any) -> Any:
         return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
+
+    return run
+
+
+def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
+    """``fn`` run on a Tx whose store settings (``tx.config``) have ``settings`` changed."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
 
     return run
 
@@ -96,8 +117,10 @@ async def claim(
     shift: int = 0,
     prefix: str | None = None,
 ) -> EffectClaimResult:
-    extra = () if prefix is None else (prefix,)
-    return await store.write(at(shift, effects.claim), principal, holder, p or params(), *extra)
+    fn = at(shift, effects.claim)
+    if prefix is not None:
+        fn = configured(fn, branch_prefix=prefix)
+    return await store.write(fn, caller(principal, holder), p or params())
 
 
 def key_of(p: EffectClaimParams) -> str:
@@ -105,13 +128,37 @@ def key_of(p: EffectClaimParams) -> str:
 
 
 async def get(store: Store, key: str) -> EffectRecord:
-    return await store.read(effects.get, key)
+    return await store.read(effects.get, caller(ME), EffectKeyParams(key))
+
+
+async def list_run(store: Store, run: str = RUN) -> list[EffectRecord]:
+    """effect.list of ``run``: its effects in claim order."""
+    return (await store.read(effects.list_run, caller(ME), EffectListParams(run))).effects
 
 
 async def commit(
     store: Store, key: str, attempt: str = "a-1", receipt: Any = None, shift: int = 0
 ) -> EffectRecord:
-    return await store.write(at(shift, effects.commit), ME, key, attempt, receipt)
+    params = EffectCommitParams(key, attempt, receipt)
+    return await store.write(at(shift, effects.commit), caller(ME), params)
+
+
+async def fail(store: Store, key: str, attempt: str = "a-1", error: Any = None) -> EffectRecord:
+    return await store.write(effects.fail, caller(ME), EffectFailParams(key, attempt, error))
+
+
+async def abort(store: Store, key: str, attempt: str = "a-1", reason: Any = None) -> EffectRecord:
+    return await store.write(effects.abort, caller(ME), EffectAbortParams(key, attempt, reason))
+
+
+ENDINGS = {"fail": fail, "abort": abort}  # effect.fail / effect.abort by name
+
+
+async def resolve(
+    store: Store, key: str, outcome: str, receipt: Any, principal: str = "op"
+) -> EffectRecord:
+    params = EffectResolveParams(key, outcome, receipt)  # type: ignore[arg-type]
+    return await store.write(effects.resolve, caller(principal), params)
 
 
 async def heartbeat(
@@ -122,7 +169,8 @@ async def heartbeat(
     shift: int = 0,
     holder: Holder | None = LIVE,
 ) -> EffectRecord:
-    return await store.write(at(shift, effects.heartbeat), ME, holder, key, attempt, ttl)
+    params = EffectAttemptParams(key, attempt, ttl)
+    return await store.write(at(shift, effects.heartbeat), caller(ME, holder), params)
 
 
 async def acquire(
@@ -133,7 +181,20 @@ async def acquire(
     ttl: int = TTL,
     shift: int = 0,
 ) -> Any:
-    return await store.write(at(shift, leases.acquire), principal, holder, resource, ttl)
+    params = LeaseAcquireParams(resource, ttl)
+    return await store.write(at(shift, leases.acquire), caller(principal, holder), params)
+
+
+async def lease_get(store: Store, resource: str = PR) -> LeaseRecord:
+    return await store.read(leases.get, caller(ME), LeaseResourceParams(resource))
+
+
+async def idem_claim(store: Store, params: IdemClaimParams, holder: Holder | None) -> Any:
+    return await store.write(idem.claim, caller(ME, holder), params)
+
+
+async def idem_keys(store: Store) -> IdemListResult:
+    return await store.read(idem.list_keys, caller(ME), IdemListParams(limit=10))
 
 
 async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -296,14 +357,14 @@ async def test_lease_held_leaves_no_effect_row_and_no_lease_change(short_tmp: Pa
     effect row, the lease and its counter untouched."""
     async with opened(short_tmp) as store:
         await acquire(store)
-        lease = await store.read(leases.get, PR)
+        lease = await lease_get(store)
         before = (await lease_rows(store), await counters(store))
         for principal, holder in [(ME, LIVE), (ME, OTHER_LIVE), ("bob", OTHER_LIVE)]:
             with pytest.raises(EffectLeaseHeld) as held:
                 await claim(store, principal=principal, holder=holder)
             assert held.value.data == {"lease": data_of(lease)}
         assert await effect_rows(store) == []
-        assert await store.read(effects.list_run, RUN) == []
+        assert await list_run(store) == []
         with pytest.raises(EffectNotFound):
             await get(store, key_of(params()))
         assert (await lease_rows(store), await counters(store)) == before
@@ -314,7 +375,7 @@ async def test_lease_held_on_rearming_a_failed_effect_writes_nothing(short_tmp: 
     EffectLeaseHeld and leaves the failed row exactly as it was."""
     async with opened(short_tmp) as store:
         first = await claim(store)
-        await store.write(effects.fail, first.effect_key, "a-1", "boom")
+        await fail(store, first.effect_key, "a-1", "boom")
         await acquire(store)
         before = (await effect_rows(store), await lease_rows(store), await counters(store))
         with pytest.raises(EffectLeaseHeld):
@@ -334,7 +395,7 @@ async def test_a_different_payload_is_an_idempotency_conflict(short_tmp: Path) -
                 await claim(store, params(attempt=attempt, payload={"a": 1, "b": 3}))
             assert caught.value.data == {"effect_key": first.effect_key, "status": "in_flight"}
         assert await effect_rows(store) == before
-        await store.write(effects.fail, first.effect_key, "a-1", None)
+        await fail(store, first.effect_key, "a-1", None)
         with pytest.raises(IdempotencyConflict) as caught:
             await claim(store, params(attempt="a-2"))  # payload None now
         assert caught.value.data == {"effect_key": first.effect_key, "status": "failed"}
@@ -427,7 +488,7 @@ async def test_a_stale_local_effect_is_taken_over(short_tmp: Path, why: str) -> 
         assert new.claimed_at == new.heartbeat_at >= old.claimed_at + shift
         [row] = await sql(store, "SELECT principal, holder_start FROM effects")
         assert row == ("bob", OTHER_LIVE.start)
-        assert len(await store.read(effects.list_run, RUN)) == 1
+        assert len(await list_run(store)) == 1
 
 
 @pytest.mark.parametrize("ending", ["fail", "abort"])
@@ -439,14 +500,14 @@ async def test_failed_and_aborted_effects_are_rearmed_in_place(
     async with opened(short_tmp) as store:
         first = await claim(store)
         second = await claim(store, params(step="branch", kind="git-branch", target="kxm/run-7"))
-        await store.write(getattr(effects, ending), first.effect_key, "a-1", "why")
+        await ENDINGS[ending](store, first.effect_key, "a-1", "why")
         rearmed = await claim(store, params(attempt="a-2"), "bob", OTHER_LIVE)
         assert (rearmed.attempt_id, rearmed.lease_resource, rearmed.fencing_token) == (
             "a-2",
             PR,
             2,
         )
-        listed = await store.read(effects.list_run, RUN)
+        listed = await list_run(store)
         assert [e.effect_key for e in listed] == [first.effect_key, second.effect_key]
         record = listed[0]
         assert (record.status, record.attempt_id, record.receipt, record.completed_at) == (
@@ -473,7 +534,7 @@ async def test_heartbeat_refreshes_the_effect_and_extends_its_lease(short_tmp: P
         assert beat == stored
         assert stored.heartbeat_at >= claimed.claimed_at + 3_000
         assert {**data_of(stored), "heartbeat_at": claimed.heartbeat_at} == data_of(claimed)
-        lease = await store.read(leases.get, PR)
+        lease = await lease_get(store)
         assert (lease.fencing_token, lease.renewed_at, lease.expires_at) == (
             1,
             stored.heartbeat_at,
@@ -488,9 +549,9 @@ async def test_heartbeat_keeps_a_lapsed_or_released_lease_nobody_took(short_tmp:
     async with opened(short_tmp) as store:
         first = await claim(store, params(lease_ttl_ms=5_000))
         await heartbeat(store, first.effect_key, shift=10_000)  # lapsed at +5 s
-        lease = await store.read(leases.get, PR)
+        lease = await lease_get(store)
         assert (lease.fencing_token, lease.live) == (1, True)
-        await store.write(leases.release, ME, LIVE, PR, 1)
+        await store.write(leases.release, caller(ME, LIVE), LeaseTokenParams(PR, 1))
         beat = await heartbeat(store, first.effect_key)
         [row] = await lease_rows(store)
         assert row[:5] == (PR, 1, ME, LIVE.pid, LIVE.start)
@@ -573,7 +634,7 @@ async def test_commit_after_a_newer_token_is_refused_and_parks(short_tmp: Path) 
         assert await lease_rows(store) == bobs
         with pytest.raises(EffectUncertain):  # the same commit again: now settled
             await commit(store, first.effect_key, receipt={"url": "u"}, shift=10_000)
-        resolved = await store.write(effects.resolve, "op", first.effect_key, "aborted", None)
+        resolved = await resolve(store, first.effect_key, "aborted", None)
         assert resolved.status == "aborted"
         assert await lease_rows(store) == bobs  # the old token gives back nothing of bob's
     assert query(short_tmp, "SELECT status FROM effects") == [("aborted",)]
@@ -645,7 +706,7 @@ async def test_commit_abort_and_fail_give_the_lease_back(
         if ending == "commit":
             ended = await commit(store, first.effect_key, receipt=argument)
         else:
-            ended = await store.write(getattr(effects, ending), first.effect_key, "a-1", argument)
+            ended = await ENDINGS[ending](store, first.effect_key, "a-1", argument)
         assert (ended.status, ended.receipt) == (status, receipt)
         assert ended == await get(store, first.effect_key)
         assert await lease_rows(store) == []
@@ -662,7 +723,7 @@ async def test_abort_and_fail_are_guarded_by_status_and_attempt(
     answer as such; none of these changes anything."""
 
     async def end(key: str, attempt: str) -> EffectRecord:
-        return await store.write(getattr(effects, ending), key, attempt, "x")
+        return await ENDINGS[ending](store, key, attempt, "x")
 
     async with opened(short_tmp) as store:
         live = await claim(store)
@@ -670,7 +731,7 @@ async def test_abort_and_fail_are_guarded_by_status_and_attempt(
         with pytest.raises(EffectAttemptSuperseded):
             await end(live.effect_key, "a-2")
         assert await effect_rows(store) == before
-        await store.write(effects.abort, live.effect_key, "a-1", "first")
+        await abort(store, live.effect_key, "a-1", "first")
         ended = await effect_rows(store)
         for attempt in ("a-1", "a-2"):
             with pytest.raises(EffectAttemptSuperseded):
@@ -703,18 +764,18 @@ async def test_resolve_only_settles_an_uncertain_effect(short_tmp: Path) -> None
         done = await claim(store, params(step="s2"))
         await commit(store, done.effect_key)
         failed = await claim(store, params(step="s3"))
-        await store.write(effects.fail, failed.effect_key, "a-1", None)
+        await fail(store, failed.effect_key, "a-1", None)
         aborted = await claim(store, params(step="s4"))
-        await store.write(effects.abort, aborted.effect_key, "a-1", None)
+        await abort(store, aborted.effect_key, "a-1", None)
         before = await effect_rows(store)
         for key in (flying, done, failed, aborted):
             record = await get(store, key.effect_key)
             for outcome in ("committed", "aborted"):
                 with pytest.raises(EffectAttemptSuperseded) as caught:
-                    await store.write(effects.resolve, "op", key.effect_key, outcome, None)
+                    await resolve(store, key.effect_key, outcome, None)
                 assert caught.value.data == {"effect": data_of(record)}
         with pytest.raises(EffectNotFound):
-            await store.write(effects.resolve, "op", "eff_0000000000000000", "committed", None)
+            await resolve(store, "eff_0000000000000000", "committed", None)
         assert await effect_rows(store) == before
         assert await sql(store, "SELECT * FROM operator_log") == []
 
@@ -731,8 +792,8 @@ async def test_resolve_settles_an_uncertain_effect_and_logs_it(
         parked_keys = await store.write(at(1_000, effects.park_stale), [])
         assert parked_keys == [first.effect_key]
         assert [row[1] for row in await lease_rows(store)] == [1]  # parking keeps the lease
-        resolved = await store.write(
-            effects.resolve, "operator", first.effect_key, outcome, {"checked": "by hand"}
+        resolved = await resolve(
+            store, first.effect_key, outcome, {"checked": "by hand"}, principal="operator"
         )
         assert resolved == await get(store, first.effect_key)
         assert (resolved.status, resolved.receipt, resolved.attempt_id) == (
@@ -810,8 +871,8 @@ async def test_liveness_settles_keys_leases_and_effects_of_dead_holders_together
             ("dead-evidence", DEAD, evidence.effect_key),
             ("live", LIVE, None),
         ]:
-            await store.write(
-                idem.claim, ME, IdemClaimParams(operation="deploy", key=key, effect_ref=ref), holder
+            await idem_claim(
+                store, IdemClaimParams(operation="deploy", key=key, effect_ref=ref), holder
             )
         await acquire(store, "res/dead", ME, DEAD)
         await acquire(store, "res/live", ME, LIVE)
@@ -831,10 +892,7 @@ async def test_liveness_settles_keys_leases_and_effects_of_dead_holders_together
         assert sorted(report.leases_released) == ["J-1", "res/dead"]
         assert report.effects_parked == [shared.effect_key]
 
-        states = {
-            r.key: (r.state, r.result)
-            for r in (await store.read(idem.list_keys, ME, None, None, 10, None)).keys
-        }
+        states = {r.key: (r.state, r.result) for r in (await idem_keys(store)).keys}
         assert states == {
             "dead-plain": ("outcome_unknown", None),
             "dead-evidence": (
@@ -880,10 +938,10 @@ async def test_a_key_fronting_an_effect_completes_at_restart_once_it_is_committe
         }
         for key, ref in refs.items():
             idem_params = IdemClaimParams(operation="deploy", key=key, effect_ref=ref)
-            await store.write(idem.claim, ME, idem_params, LIVE)
+            await idem_claim(store, idem_params, LIVE)
 
     async def states(store: Store) -> dict[str, tuple[str, Any]]:
-        page = await store.read(idem.list_keys, ME, None, None, 10, None)
+        page = await idem_keys(store)
         return {r.key: (r.state, r.result) for r in page.keys}
 
     async with opened(short_tmp) as store:
@@ -903,7 +961,7 @@ async def test_a_key_fronting_an_effect_completes_at_restart_once_it_is_committe
             "k-missing": ("outcome_unknown", None),
         }
         await commit(store, flying.effect_key, receipt="pushed")
-        await store.write(effects.resolve, "op", unsure.effect_key, "committed", {"r": 3})
+        await resolve(store, unsure.effect_key, "committed", {"r": 3})
 
     async with opened(short_tmp) as store:
         report = store.reconciliation
@@ -935,8 +993,9 @@ async def test_in_one_batch_a_refused_write_commits_and_a_raised_one_rolls_back(
     writes rolled back), and a plain grant (committed)."""
 
     def claim_then_raise(tx: Tx) -> None:
-        effects.claim(tx, ME, LIVE, params(step="doomed", kind="webhook", target="https://h"))
-        leases.acquire(tx, ME, LIVE, "doomed/lease", TTL)
+        doomed = params(step="doomed", kind="webhook", target="https://h")
+        effects.claim(tx, caller(ME, LIVE), doomed)
+        leases.acquire(tx, caller(ME, LIVE), LeaseAcquireParams("doomed/lease", TTL))
         raise RuntimeError("after writing")
 
     async with opened(short_tmp) as store:
@@ -945,14 +1004,16 @@ async def test_in_one_batch_a_refused_write_commits_and_a_raised_one_rolls_back(
         await claim(store, other, holder=DEAD)
         [returned] = await store.write(
             lambda tx: (
-                effects.claim(tx, ME, LIVE, msgspec.structs.replace(other, attempt_id="a-2")),
+                effects.claim(
+                    tx, caller(ME, LIVE), msgspec.structs.replace(other, attempt_id="a-2")
+                ),
             )
         )  # the store function returns its refusal; only Store.write turns it into an error
         assert isinstance(returned, Refused) and isinstance(returned.error, EffectUncertain)
         futures = [
-            store.write(effects.claim, ME, LIVE, params(attempt="a-2")),
+            store.write(effects.claim, caller(ME, LIVE), params(attempt="a-2")),
             store.write(claim_then_raise),
-            store.write(leases.acquire, ME, LIVE, "kept", TTL),
+            store.write(leases.acquire, caller(ME, LIVE), LeaseAcquireParams("kept", TTL)),
         ]  # queued before the writer runs: one batch, one transaction
         refused, raised, granted = await asyncio.gather(*futures, return_exceptions=True)
         assert isinstance(refused, EffectUncertain)

@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from store_helpers import (
+    caller,
     db_path,
     entry,
     new_id,
@@ -40,17 +41,31 @@ from towerd.daemon.store import (
     retention,
     schema,
 )
-from towerd.daemon.store.tx import PAGE_BYTES, Tx, now_ms, pack
+from towerd.daemon.store.tx import PAGE_BYTES, Caller, Tx, now_ms, pack
 from towerd.protocol.errors import BadArgs, Conflict, IdempotencyConflict, NotFound
 from towerd.protocol.methods import (
     DEFAULT_EVENT_MAX_PAYLOAD,
+    Empty,
+    EventListParams,
+    EventListResult,
+    EventRecordParams,
     EventRecordResult,
+    FleetWriteParams,
     IdemClaimParams,
+    IdemClaimResult,
+    IdemKeyParams,
+    IdemRecord,
+    MessageAckParams,
+    MessageListParams,
+    MessageListResult,
     MessageRecord,
     RestorePlanEntry,
     SessionActivity,
+    SessionActivityParams,
+    SessionIdParams,
     SessionMessageParams,
     SessionMessageResult,
+    SessionRemoveResult,
     SessionUpdateParams,
     TrailEvent,
 )
@@ -63,6 +78,9 @@ HOLDER = Holder(pid=777, start=1)  # a claimant; no liveness sweep runs at store
 T0 = 1_800_000_000_000  # a fixed clock reading the tests build on
 DAY = 86_400_000
 NO_SESSION = "00000000-0000-4000-8000-000000000000"  # a valid session id no row has
+# Who records the events here: no principal, so no quota counts them and their rows
+# hold no principal (the handler passes the connection's principal).
+NO_PRINCIPAL = Caller(principal=None, pid=0, holder=None)  # type: ignore[arg-type]
 
 
 # --- clock ---------------------------------------------------------------------------------
@@ -86,6 +104,15 @@ def clock(now: int, fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
+    """``fn`` run on a Tx whose store settings (``tx.config``) have ``settings`` changed."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
+
+    return run
+
+
 # --- store helpers -------------------------------------------------------------------------
 
 
@@ -99,9 +126,12 @@ async def record(
     now: int | None = None,
     max_payload: int = DEFAULT_EVENT_MAX_PAYLOAD,
 ) -> EventRecordResult:
-    """event.record as its handler runs it, at ``now`` when given."""
-    fn = events.record if now is None else clock(now, events.record)
-    return await store.write(fn, kind, session_id, agent_session_id, payload, max_payload)
+    """event.record as its handler runs it (by ``NO_PRINCIPAL``), at ``now`` when given."""
+    fn = configured(events.record, event_max_payload=max_payload)
+    if now is not None:
+        fn = clock(now, fn)
+    params = EventRecordParams(kind, session_id, agent_session_id, payload)
+    return await store.write(fn, NO_PRINCIPAL, params)
 
 
 async def listed(
@@ -114,10 +144,17 @@ async def listed(
     budget: int = PAGE_BYTES,
 ) -> tuple[list[int], int | None]:
     """event.list as its handler runs it -> (event ids of the page, next_before)."""
-    page = await store.read(
-        events.list_events, session_ids, agent_session_ids, kinds, before, limit, budget
-    )
+    params = EventListParams(session_ids, agent_session_ids, kinds, before, limit)
+    page = await event_page(store, params, budget)
     return [event.event_id for event in page.events], page.next_before
+
+
+async def event_page(
+    store: Store, params: EventListParams, budget: int = PAGE_BYTES
+) -> EventListResult:
+    """event.list of a daemon whose pages hold ``budget`` bytes (half its max frame)."""
+    fn = configured(events.list_events, max_frame=2 * budget)
+    return await store.read(fn, caller(ME), params)
 
 
 async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -125,11 +162,12 @@ async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[
 
 
 async def activity(store: Store, session_ids: list[str] | None = None) -> list[SessionActivity]:
-    return (await store.read(events.activity, session_ids)).sessions
+    params = SessionActivityParams(session_ids)
+    return (await store.read(events.activity, caller(ME), params)).sessions
 
 
 async def plan(store: Store) -> list[RestorePlanEntry]:
-    return (await store.read(events.restore_plan)).sessions
+    return (await store.read(events.restore_plan, caller(ME), Empty())).sessions
 
 
 async def insert_at(store: Store, now: int, **fields: Any) -> str:
@@ -153,12 +191,32 @@ async def send(
 ) -> SessionMessageResult:
     principal = kw.pop("principal", ME)
     fn = messages.send if "now" not in kw else clock(kw.pop("now"), messages.send)
-    return await store.write(fn, principal, message_params(session_id, text, key), HOLDER)
+    return await store.write(fn, caller(principal, HOLDER), message_params(session_id, text, key))
 
 
 async def ack(store: Store, message_id: str, status: str, now: int | None = None) -> MessageRecord:
     fn = messages.ack if now is None else clock(now, messages.ack)
-    return await store.write(fn, message_id, status)
+    params = MessageAckParams(message_id, status)  # type: ignore[arg-type]
+    return await store.write(fn, caller(ME), params)
+
+
+async def message_list(
+    store: Store, session_id: str, status: str | None = None, limit: int = 100
+) -> MessageListResult:
+    params = MessageListParams(session_id, status, limit)  # type: ignore[arg-type]
+    return await store.read(messages.list_messages, caller(ME), params)
+
+
+async def remove(store: Store, session_id: str) -> SessionRemoveResult:
+    return await store.write(fleet.remove_session, caller(ME), SessionIdParams(session_id))
+
+
+async def idem_claim(store: Store, params: IdemClaimParams) -> IdemClaimResult:
+    return await store.write(idempotency.claim, caller(ME, HOLDER), params)
+
+
+async def idem_get(store: Store, operation: str, key: str) -> IdemRecord:
+    return await store.read(idempotency.get, caller(ME), IdemKeyParams(operation, key))
 
 
 async def message_rows(store: Store) -> list[tuple[Any, ...]]:
@@ -363,7 +421,7 @@ async def test_a_restored_session_keeps_its_trail_through_its_agent_session_id(
         old = await register(store, agent_session_id="as-r")
         first = (await record(store, "SessionStart", old)).event_id
         second = (await record(store, "Stop", agent_session_id="as-r")).event_id
-        await store.write(fleet.remove_session, old)
+        await remove(store, old)
         new = await register(store, agent_session_id="as-r")
         third = await record(store, "UserPromptSubmit", agent_session_id="as-r")
         assert third.session_id == new
@@ -396,7 +454,7 @@ async def test_event_list_pages_newest_first_with_next_before(short_tmp: Path) -
         assert await listed(store, limit=7) == (newest_first, None)
         assert await listed(store, limit=6) == (newest_first[:6], newest_first[5])
         assert await listed(store, before=ids[0]) == ([], None)
-        page = await store.read(events.list_events, None, None, None, None, 2, PAGE_BYTES)
+        page = await event_page(store, EventListParams(limit=2))
         assert [e.payload for e in page.events] == [{"n": 6}, {"n": 5}]
 
 
@@ -595,9 +653,13 @@ async def test_restore_plan_ranks_by_events_even_after_a_later_row_write(
             entry(a, agent_session_id="as-a", name="a"),
             entry(b, agent_session_id="as-b", name="b"),
         ]
-        await store.write(clock(T0 + 5000, fleet.write_fleet), rewritten, [])
         await store.write(
-            clock(T0 + 6000, fleet.update_session), SessionUpdateParams(a, name="renamed")
+            clock(T0 + 5000, fleet.write_fleet), caller(ME), FleetWriteParams(rewritten, [])
+        )
+        await store.write(
+            clock(T0 + 6000, fleet.update_session),
+            caller(ME),
+            SessionUpdateParams(a, name="renamed"),
         )
         assert [(e.session_id, e.last_activity_at) for e in await plan(store)] == [
             (b, T0 + 2000), (a, T0 + 1000),
@@ -650,7 +712,7 @@ async def test_prune_counts_a_restored_sessions_rows_together_by_agent_session(
     async with opened(short_tmp) as store:
         old = await register(store, agent_session_id="as-r")
         older = [(await record(store, "Stop", old)).event_id for _ in range(2)]
-        await store.write(fleet.remove_session, old)
+        await remove(store, old)
         new = await register(store, agent_session_id="as-r")
         newer = [(await record(store, "Stop", new)).event_id for _ in range(2)]
         assert await store.write(events.prune, 0, 3) == 1
@@ -681,7 +743,7 @@ async def test_send_without_a_key_queues_a_new_message_each_time(short_tmp: Path
         second = await send(store, session, "one", now=T0 + 1)
         assert first.status == second.status == "queued"
         assert first.message_id != second.message_id
-        listed_messages = (await store.read(messages.list_messages, session, None, 100)).messages
+        listed_messages = (await message_list(store, session)).messages
         assert listed_messages == [
             MessageRecord(first.message_id, session, "as-1", "one", "queued", T0, T0),
             MessageRecord(second.message_id, session, "as-1", "one", "queued", T0 + 1, T0 + 1),
@@ -699,7 +761,7 @@ async def test_send_with_a_key_answers_the_same_message_on_retry(short_tmp: Path
         assert sent.status == "queued"
         assert await send(store, session, "hi", key="k1") == sent
         assert len(await message_rows(store)) == 1
-        record_ = await store.read(idempotency.get, ME, "session.message", "k1")
+        record_ = await idem_get(store, "session.message", "k1")
         assert (record_.state, record_.effect_ref, record_.result) == (
             "completed", sent.message_id, {"message_id": sent.message_id, "status": "queued"},
         )  # fmt: skip
@@ -777,7 +839,7 @@ async def test_message_list_oldest_first_by_status_with_a_limit(short_tmp: Path)
         await ack(store, late.message_id, "read")
 
         async def ids(status: str | None = None, limit: int = 100) -> list[str]:
-            page = await store.read(messages.list_messages, session, status, limit)
+            page = await message_list(store, session, status, limit)
             return [m.message_id for m in page.messages]
 
         assert await ids() == [early.message_id, late.message_id, same_time.message_id]
@@ -785,7 +847,7 @@ async def test_message_list_oldest_first_by_status_with_a_limit(short_tmp: Path)
         assert await ids("queued") == [early.message_id, same_time.message_id]
         assert await ids("read") == [late.message_id]
         assert await ids("delivered") == []
-        missing = await store.read(messages.list_messages, NO_SESSION, None, 100)
+        missing = await message_list(store, NO_SESSION)
         assert missing.messages == []
 
 
@@ -809,17 +871,17 @@ async def test_an_interrupted_message_key_completes_from_its_message_row(
                 operation=messages.MESSAGE_OPERATION, key=key, payload=payload,
                 effect_ref=effect_ref,
             )  # fmt: skip
-            assert (await store.write(idempotency.claim, ME, params, HOLDER)).state == "claimed"
+            assert (await idem_claim(store, params)).state == "claimed"
     async with opened(short_tmp) as store:
         report = store.reconciliation
         assert (report.marked_unknown, report.completed_from_evidence, report.still_unknown) == (
             2, 1, 1,
         )  # fmt: skip
-        done = await store.read(idempotency.get, ME, "session.message", "k-evidence")
+        done = await idem_get(store, "session.message", "k-evidence")
         assert (done.state, done.result) == (
             "completed", {"message_id": sent.message_id, "status": "delivered"},
         )  # fmt: skip
-        unknown = await store.read(idempotency.get, ME, "session.message", "k-none")
+        unknown = await idem_get(store, "session.message", "k-none")
         assert unknown.state == "outcome_unknown"
         assert await send(store, session, "deploy done", key="k-evidence") == SessionMessageResult(
             sent.message_id, "delivered"
@@ -833,10 +895,10 @@ async def test_a_dead_claimants_message_key_settles_without_a_restart(short_tmp:
         session = await register(store)
         sent = await send(store, session, "x")
         params = IdemClaimParams(operation="session.message", key="k", effect_ref=sent.message_id)
-        await store.write(idempotency.claim, ME, params, HOLDER)
+        await idem_claim(store, params)
         report = await store.write(reconcile.settle_dead_holders, [HOLDER])
         assert (report.completed, report.unknown) == ([(ME, "session.message", "k")], [])
-        done = await store.read(idempotency.get, ME, "session.message", "k")
+        done = await idem_get(store, "session.message", "k")
         assert done.result == {"message_id": sent.message_id, "status": "queued"}
 
 
@@ -854,10 +916,10 @@ async def test_idem_watchers_hear_a_dead_claimants_message_key_complete(
         session = await register(store)
         sent = await send(store, session, "x")
         params = IdemClaimParams(operation="session.message", key="k", effect_ref=sent.message_id)
-        await store.write(idempotency.claim, ME, params, HOLDER)
+        await idem_claim(store, params)
         notes = watching(store)
         await store.write(reconcile.settle_dead_holders, [HOLDER])
-        assert (await store.read(idempotency.get, ME, "session.message", "k")).state == "completed"
+        assert (await idem_get(store, "session.message", "k")).state == "completed"
         about_key = [data for topic, data in notes if topic == "idem"]
         assert about_key, "the settled key was not announced at all"
         assert idem_state(about_key[-1]) == "completed"
@@ -885,9 +947,7 @@ async def test_a_version_4_database_migrates_to_version_5(
         event = await record(store, "Stop", agent_session_id="as-old")
         assert event.session_id == kept
         sent = await send(store, kept, "after the upgrade")
-        assert (await store.read(messages.list_messages, kept, None, 10)).messages[
-            0
-        ].message_id == sent.message_id
+        assert (await message_list(store, kept, None, 10)).messages[0].message_id == sent.message_id
     assert query(short_tmp, "PRAGMA user_version") == [(schema.SCHEMA_VERSION,)]
     with closing(sqlite3.connect(db_path(short_tmp))) as conn:
         assert schema.shape_of(conn) == schema.expected_shape()

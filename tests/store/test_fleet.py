@@ -11,6 +11,7 @@ import pytest
 
 from store_helpers import (
     all_session_rows,
+    caller,
     entry,
     execute,
     new_id,
@@ -21,17 +22,49 @@ from store_helpers import (
     register_params,
     rows,
 )
-from towerd.daemon.store import StoreConfig, fleet, idempotency, open_store
+from towerd.daemon.store import Store, StoreConfig, fleet, idempotency, open_store
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch, Unavailable
 from towerd.protocol.methods import (
     UUID_PATTERN,
+    FleetAdoptParams,
+    FleetAdoptResult,
+    FleetListParams,
+    FleetListResult,
+    FleetWriteParams,
+    FleetWriteResult,
     IdemClaimParams,
+    IdemKeyParams,
+    SessionEntry,
+    SessionIdParams,
     SessionRegisterParams,
+    SessionRemoveResult,
     SessionRow,
     SessionUpdateParams,
 )
 
 pytestmark = pytest.mark.anyio
+
+
+async def update(store: Store, params: SessionUpdateParams) -> SessionRow:
+    return await store.write(fleet.update_session, caller(), params)
+
+
+async def remove(store: Store, session_id: str) -> SessionRemoveResult:
+    return await store.write(fleet.remove_session, caller(), SessionIdParams(session_id))
+
+
+async def write_fleet(
+    store: Store, entries: list[SessionEntry], removed: list[str]
+) -> FleetWriteResult:
+    return await store.write(fleet.write_fleet, caller(), FleetWriteParams(entries, removed))
+
+
+async def list_page(store: Store, limit: int, cursor: int | None) -> FleetListResult:
+    return await store.read(fleet.list_sessions, caller(), FleetListParams(limit, cursor))
+
+
+async def adopt(store: Store, principal: str, daemon_id: str) -> FleetAdoptResult:
+    return await store.write(fleet.adopt_fleet, caller(principal), FleetAdoptParams(daemon_id))
 
 
 # --- register
@@ -155,9 +188,8 @@ async def test_update_rewrites_only_given_fields_and_null_clears(
     a nullable field; the rest are rewritten."""
     async with opened(short_tmp) as store:
         sid = await register(store, name="n", prompt="p", model="m", pinned=True, cwd="/a")
-        row = await store.write(
-            fleet.update_session,
-            SessionUpdateParams(session_id=sid, name=None, cwd="/b", exited=True),
+        row = await update(
+            store, SessionUpdateParams(session_id=sid, name=None, cwd="/b", exited=True)
         )
         assert (row.name, row.cwd, row.exited) == (None, "/b", True)
         assert (row.prompt, row.model, row.pinned) == ("p", "m", True)
@@ -171,7 +203,7 @@ async def test_update_with_no_fields_changes_nothing_but_the_stamp(
     async with opened(short_tmp) as store:
         sid = await register(store, name="n", agent_session_id="as")
         [before] = await rows(store)
-        after = await store.write(fleet.update_session, SessionUpdateParams(session_id=sid))
+        after = await update(store, SessionUpdateParams(session_id=sid))
         assert (after.name, after.agent_session_id, after.cwd) == (
             before.name,
             "as",
@@ -187,7 +219,7 @@ async def test_update_parent_moves_the_rows_own_children_along(short_tmp: Path) 
         b = await register(store)
         c1 = await register(store, parent=b)
         c2 = await register(store, parent=b)
-        row = await store.write(fleet.update_session, SessionUpdateParams(session_id=b, parent=a))
+        row = await update(store, SessionUpdateParams(session_id=b, parent=a))
         assert row.parent == a
         assert await parents(store) == {a: None, b: a, c1: a, c2: a}
 
@@ -200,7 +232,7 @@ async def test_update_parent_to_a_sub_session_links_to_its_top_level_row(
         a = await register(store)
         b = await register(store, parent=a)
         c = await register(store)
-        await store.write(fleet.update_session, SessionUpdateParams(session_id=c, parent=b))
+        await update(store, SessionUpdateParams(session_id=c, parent=b))
         assert await parents(store) == {a: None, b: a, c: a}
 
 
@@ -212,9 +244,9 @@ async def test_update_that_would_create_a_cycle_is_refused(short_tmp: Path) -> N
         b = await register(store, parent=a)
         before = await parents(store)
         with pytest.raises(Conflict, match="cycle"):
-            await store.write(fleet.update_session, SessionUpdateParams(session_id=a, parent=b))
+            await update(store, SessionUpdateParams(session_id=a, parent=b))
         with pytest.raises(BadArgs, match="own parent"):
-            await store.write(fleet.update_session, SessionUpdateParams(session_id=a, parent=a))
+            await update(store, SessionUpdateParams(session_id=a, parent=a))
         assert await parents(store) == before
 
 
@@ -223,7 +255,7 @@ async def test_update_clearing_parent_makes_the_row_top_level(short_tmp: Path) -
     async with opened(short_tmp) as store:
         a = await register(store)
         b = await register(store, parent=a)
-        await store.write(fleet.update_session, SessionUpdateParams(session_id=b, parent=None))
+        await update(store, SessionUpdateParams(session_id=b, parent=None))
         assert await parents(store) == {a: None, b: None}
 
 
@@ -232,14 +264,9 @@ async def test_update_missing_session_or_parent_is_not_found(short_tmp: Path) ->
     async with opened(short_tmp) as store:
         sid = await register(store)
         with pytest.raises(NotFound):
-            await store.write(
-                fleet.update_session, SessionUpdateParams(session_id=new_id(), name="x")
-            )
+            await update(store, SessionUpdateParams(session_id=new_id(), name="x"))
         with pytest.raises(NotFound):
-            await store.write(
-                fleet.update_session,
-                SessionUpdateParams(session_id=sid, parent=new_id()),
-            )
+            await update(store, SessionUpdateParams(session_id=sid, parent=new_id()))
         assert (await parents(store)) == {sid: None}
 
 
@@ -252,10 +279,7 @@ async def test_update_to_a_taken_agent_session_id_is_a_conflict(
         await register(store, agent_session_id="one")
         two = await register(store, agent_session_id="two")
         with pytest.raises(Conflict):
-            await store.write(
-                fleet.update_session,
-                SessionUpdateParams(session_id=two, agent_session_id="one"),
-            )
+            await update(store, SessionUpdateParams(session_id=two, agent_session_id="one"))
         assert sorted(r.agent_session_id for r in await rows(store)) == ["one", "two"]
 
 
@@ -271,7 +295,7 @@ async def test_remove_makes_children_top_level(short_tmp: Path) -> None:
         c = await register(store, parent=a)
         other = await register(store)
         d = await register(store, parent=other)
-        result = await store.write(fleet.remove_session, a)
+        result = await remove(store, a)
         assert (result.session_id, result.removed) == (a, True)
         assert await parents(store) == {b: None, c: None, other: None, d: other}
 
@@ -280,7 +304,7 @@ async def test_remove_unknown_session_is_not_found(short_tmp: Path) -> None:
     """Removing a row that is not there is NotFound."""
     async with opened(short_tmp) as store:
         with pytest.raises(NotFound):
-            await store.write(fleet.remove_session, new_id())
+            await remove(store, new_id())
 
 
 # --- list
@@ -296,7 +320,7 @@ async def test_list_is_in_stored_order_and_pages_with_a_cursor(short_tmp: Path) 
         cursors = []
         cursor = None
         while True:
-            page = await store.read(fleet.list_sessions, 3, cursor)
+            page = await list_page(store, 3, cursor)
             assert len(page.sessions) <= 3
             seen += [r.session_id for r in page.sessions]
             cursors.append(page.next_cursor)
@@ -305,7 +329,7 @@ async def test_list_is_in_stored_order_and_pages_with_a_cursor(short_tmp: Path) 
             cursor = page.next_cursor
         assert seen == ids
         assert len(cursors) == 3 and cursors[-1] is None
-        exact = await store.read(fleet.list_sessions, 7, None)
+        exact = await list_page(store, 7, None)
         assert [r.session_id for r in exact.sessions] == ids
         assert exact.next_cursor is None
 
@@ -320,7 +344,7 @@ async def test_write_fleet_never_drops_rows_it_was_not_given(short_tmp: Path) ->
         a = await register(store, name="a")
         b = await register(store, name="b", parent=a)
         c = new_id()
-        result = await store.write(fleet.write_fleet, [entry(c, name="c")], [])
+        result = await write_fleet(store, [entry(c, name="c")], [])
         assert (result.written, result.removed, result.dropped) == (1, 0, [])
         assert [(r.session_id, r.name, r.parent) for r in await rows(store)] == [
             (a, "a", None),
@@ -334,7 +358,7 @@ async def test_write_fleet_replaces_given_rows_wholesale(short_tmp: Path) -> Non
     async with opened(short_tmp) as store:
         a = await register(store, name="a", prompt="keep?", pinned=True)
         b = await register(store, name="b")
-        await store.write(fleet.write_fleet, [entry(a, name="A2")], [])
+        await write_fleet(store, [entry(a, name="A2")], [])
         [row_a, row_b] = await rows(store)
         assert (row_a.session_id, row_a.name, row_a.prompt, row_a.pinned) == (
             a,
@@ -349,8 +373,8 @@ async def test_write_fleet_dedup_keeps_the_last_written(short_tmp: Path) -> None
     """Among given entries sharing an agent session id only the last written is kept."""
     first, second, third = new_id(), new_id(), new_id()
     async with opened(short_tmp) as store:
-        result = await store.write(
-            fleet.write_fleet,
+        result = await write_fleet(
+            store,
             [
                 entry(first, agent_session_id="X", name="1"),
                 entry(second, agent_session_id="X", name="2"),
@@ -372,9 +396,7 @@ async def test_write_fleet_same_session_given_twice_keeps_the_last(
     """A session id repeated in one write is written once, with its last fields."""
     sid = new_id()
     async with opened(short_tmp) as store:
-        result = await store.write(
-            fleet.write_fleet, [entry(sid, name="old"), entry(sid, name="new")], []
-        )
+        result = await write_fleet(store, [entry(sid, name="old"), entry(sid, name="new")], [])
         assert (result.written, result.dropped) == (1, [])
         assert [(r.session_id, r.name) for r in await rows(store)] == [(sid, "new")]
 
@@ -388,8 +410,8 @@ async def test_write_fleet_dedup_drops_a_stored_row_and_relinks_its_children(
         old = await register(store, agent_session_id="X")
         child = await register(store, parent=old)
         new = new_id()
-        result = await store.write(
-            fleet.write_fleet,
+        result = await write_fleet(
+            store,
             [entry(old, agent_session_id="X"), entry(new, agent_session_id="X")],
             [],
         )
@@ -406,8 +428,8 @@ async def test_write_fleet_row_that_replaced_its_parent_takes_that_parents_link(
     named P as parent: C goes under P's parent G."""
     g, p, c = new_id(), new_id(), new_id()
     async with opened(short_tmp) as store:
-        result = await store.write(
-            fleet.write_fleet,
+        result = await write_fleet(
+            store,
             [
                 entry(g),
                 entry(p, agent_session_id="X", parent=g),
@@ -429,8 +451,8 @@ async def test_write_fleet_unmentioned_stored_holder_of_agent_session_conflicts(
         before = all_session_rows(short_tmp)
         innocent, taker = new_id(), new_id()
         with pytest.raises(Conflict) as caught:
-            await store.write(
-                fleet.write_fleet,
+            await write_fleet(
+                store,
                 [entry(innocent, name="innocent"), entry(taker, agent_session_id="X")],
                 [],
             )
@@ -445,9 +467,7 @@ async def test_write_fleet_listing_the_holder_in_removed_replaces_it(
     async with opened(short_tmp) as store:
         holder = await register(store, agent_session_id="X")
         taker = new_id()
-        result = await store.write(
-            fleet.write_fleet, [entry(taker, agent_session_id="X")], [holder]
-        )
+        result = await write_fleet(store, [entry(taker, agent_session_id="X")], [holder])
         assert (result.written, result.removed) == (1, 1)
         assert [(r.session_id, r.agent_session_id) for r in await rows(store)] == [(taker, "X")]
 
@@ -460,8 +480,8 @@ async def test_write_fleet_can_move_agent_sessions_between_given_rows(
     async with opened(short_tmp) as store:
         a = await register(store, agent_session_id="X")
         b = await register(store, agent_session_id="Y")
-        await store.write(
-            fleet.write_fleet,
+        await write_fleet(
+            store,
             [entry(a, agent_session_id="Y"), entry(b, agent_session_id="X")],
             [],
         )
@@ -479,7 +499,7 @@ async def test_write_fleet_removed_deletes_and_children_become_top_level(
         a = await register(store)
         b = await register(store, parent=a)
         c = await register(store)
-        result = await store.write(fleet.write_fleet, [], [a, new_id()])
+        result = await write_fleet(store, [], [a, new_id()])
         assert result.removed == 1
         assert result.relinked == 1
         assert await parents(store) == {b: None, c: None}
@@ -492,7 +512,7 @@ async def test_write_fleet_refuses_a_row_both_written_and_removed(
     async with opened(short_tmp) as store:
         a = await register(store, name="a")
         with pytest.raises(BadArgs):
-            await store.write(fleet.write_fleet, [entry(a, name="b")], [a])
+            await write_fleet(store, [entry(a, name="b")], [a])
         assert [r.name for r in await rows(store)] == ["a"]
 
 
@@ -501,8 +521,8 @@ async def test_write_fleet_breaks_cycles_and_flattens(short_tmp: Path) -> None:
     written) is top-level, everything under it."""
     a, b, c, d = (new_id() for _ in range(4))
     async with opened(short_tmp) as store:
-        result = await store.write(
-            fleet.write_fleet,
+        result = await write_fleet(
+            store,
             [
                 entry(a, parent=b),
                 entry(b, parent=c),
@@ -525,7 +545,7 @@ async def test_write_fleet_cycle_with_stored_rows_breaks_at_first_stored(
         a = await register(store)
         b = await register(store, parent=a)
         # Rewrite a under b: a <-> b; a was stored first, so a stays top-level.
-        await store.write(fleet.write_fleet, [entry(a, parent=b)], [])
+        await write_fleet(store, [entry(a, parent=b)], [])
         assert await parents(store) == {a: None, b: a}
 
 
@@ -535,7 +555,7 @@ async def test_write_fleet_link_to_an_unknown_row_becomes_top_level(
     """A given parent the fleet does not hold is cleared rather than stored dangling."""
     a = new_id()
     async with opened(short_tmp) as store:
-        result = await store.write(fleet.write_fleet, [entry(a, parent=new_id())], [])
+        result = await write_fleet(store, [entry(a, parent=new_id())], [])
         assert result.relinked == 1
         assert await parents(store) == {a: None}
 
@@ -547,8 +567,8 @@ async def test_write_fleet_link_to_a_dropped_row_follows_to_its_survivor(
     goes under the entry that replaced it."""
     old, new, child = new_id(), new_id(), new_id()
     async with opened(short_tmp) as store:
-        result = await store.write(
-            fleet.write_fleet,
+        result = await write_fleet(
+            store,
             [
                 entry(old, agent_session_id="X"),
                 entry(child, parent=old),
@@ -591,10 +611,10 @@ async def test_other_daemons_rows_are_invisible_and_refuse_writes(
             await store.read(fleet.get_session, top)
 
         attempts = [
-            (fleet.update_session, (SessionUpdateParams(session_id=top, name="mine"),)),
-            (fleet.remove_session, (child,)),
-            (fleet.write_fleet, ([entry(top)], [])),
-            (fleet.write_fleet, ([], [child])),
+            (fleet.update_session, (caller(), SessionUpdateParams(session_id=top, name="mine"))),
+            (fleet.remove_session, (caller(), SessionIdParams(child))),
+            (fleet.write_fleet, (caller(), FleetWriteParams([entry(top)], []))),
+            (fleet.write_fleet, (caller(), FleetWriteParams([], [child]))),
             (fleet.insert_session, (register_params(session_id=top),)),
         ]
         for fn, args in attempts:
@@ -620,13 +640,13 @@ async def test_adopt_moves_the_other_daemons_rows_and_logs_it(short_tmp: Path) -
     daemon_a, _, top, child = await _fleet_of_daemon_a(short_tmp)
     daemon_b = new_id()
     async with opened(short_tmp, daemon_id=daemon_b) as store:
-        result = await store.write(fleet.adopt_fleet, "ops", daemon_a)
+        result = await adopt(store, "ops", daemon_a)
         assert (result.adopted, result.from_daemon_id) == (2, daemon_a)
         assert (result.daemon_id, result.owner_epoch) == (daemon_b, store.owner_epoch)
         assert await parents(store) == {top: None, child: top}
         assert {(r.daemon_id, r.owner_epoch) for r in await rows(store)} == {(daemon_b, 1)}
         # Adopted rows are now writable by B.
-        row = await store.write(fleet.update_session, SessionUpdateParams(session_id=top, name="b"))
+        row = await update(store, SessionUpdateParams(session_id=top, name="b"))
         assert row.name == "b"
     log = query(short_tmp, "SELECT daemon_id, principal, action, detail FROM operator_log")
     assert [(d, p, a, json.loads(detail)) for d, p, a, detail in log] == [
@@ -651,12 +671,12 @@ async def test_adopt_refuses_unknown_daemon_self_and_agent_session_clash(
     daemon_a, _, _, _ = await _fleet_of_daemon_a(short_tmp)
     async with opened(short_tmp, daemon_id=new_id()) as store:
         with pytest.raises(NotFound):
-            await store.write(fleet.adopt_fleet, "ops", new_id())
+            await adopt(store, "ops", new_id())
         with pytest.raises(BadArgs):
-            await store.write(fleet.adopt_fleet, "ops", store.daemon_id)
+            await adopt(store, "ops", store.daemon_id)
         await register(store, agent_session_id="shared-agent")
         with pytest.raises(Conflict):
-            await store.write(fleet.adopt_fleet, "ops", daemon_a)
+            await adopt(store, "ops", daemon_a)
         assert len(await rows(store)) == 1
     assert query(short_tmp, "SELECT count(*) FROM operator_log") == [(0,)]
 
@@ -716,7 +736,7 @@ async def test_write_fleet_moves_unmentioned_children_of_a_new_sub_session(
         a = await register(store)
         child = await register(store, parent=a)
         top = new_id()
-        result = await store.write(fleet.write_fleet, [entry(top), entry(a, parent=top)], [])
+        result = await write_fleet(store, [entry(top), entry(a, parent=top)], [])
         assert result.relinked == 1
         assert await parents(store) == {a: top, child: top, top: None}
 
@@ -748,7 +768,7 @@ async def test_random_fleet_writes_keep_every_invariant(short_tmp: Path) -> None
             given = {e.session_id for e in entries}
             removed = [sid for sid in rng.sample(pool, 2) if sid not in given]
             try:
-                result = await store.write(fleet.write_fleet, entries, removed)
+                result = await write_fleet(store, entries, removed)
             except Conflict:
                 assert _snapshot(await rows(store)) == before, step
                 continue
@@ -776,24 +796,27 @@ async def test_adopt_takes_the_gone_daemons_keys_and_reconciles_them(short_tmp: 
     gone = "00000000-0000-4000-8000-0000000000aa"
     async with open_store(StoreConfig(short_tmp / "state", daemon_id=gone)) as theirs:
         with_row = await theirs.write(
-            idempotency.claim, "p", IdemClaimParams(operation="session.spawn", key="a"), None
+            idempotency.claim, caller("p"), IdemClaimParams(operation="session.spawn", key="a")
         )
         await theirs.write(
             fleet.register_session,
-            "p",
+            caller("p"),
             SessionRegisterParams(cwd="/r", agent="x", session_id=with_row.effect_ref),
-            None,
         )
         await theirs.write(
-            idempotency.claim, "p", IdemClaimParams(operation="session.spawn", key="b"), None
+            idempotency.claim, caller("p"), IdemClaimParams(operation="session.spawn", key="b")
         )
     async with open_store(StoreConfig(short_tmp / "state")) as ours:
-        await ours.write(idempotency.claim, "p", IdemClaimParams(operation="mine", key="c"), None)
-        result = await ours.write(fleet.adopt_fleet, "operator", gone)
+        await ours.write(idempotency.claim, caller("p"), IdemClaimParams(operation="mine", key="c"))
+        result = await adopt(ours, "operator", gone)
         assert (result.adopted, result.keys_adopted) == (1, 2)
         assert (result.keys_marked_unknown, result.keys_completed_from_evidence) == (1, 1)
-        assert (await ours.read(idempotency.get, "p", "session.spawn", "a")).state == "completed"
         assert (
-            await ours.read(idempotency.get, "p", "session.spawn", "b")
+            await ours.read(idempotency.get, caller("p"), IdemKeyParams("session.spawn", "a"))
+        ).state == "completed"
+        assert (
+            await ours.read(idempotency.get, caller("p"), IdemKeyParams("session.spawn", "b"))
         ).state == "outcome_unknown"
-        assert (await ours.read(idempotency.get, "p", "mine", "c")).state == "in_progress"
+        assert (
+            await ours.read(idempotency.get, caller("p"), IdemKeyParams("mine", "c"))
+        ).state == "in_progress"

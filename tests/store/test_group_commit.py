@@ -1,5 +1,9 @@
 """Group commit: concurrent writes share transactions,
-yet each one fails or succeeds alone."""
+yet each one fails or succeeds alone.
+
+Store functions that serve a request are called as their routes call them (daemon/
+handlers.py), ``fn(tx, caller, params)``; the writer itself runs any ``fn(tx, *args)``.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +16,29 @@ import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
 
-from store_helpers import new_id, opened, query, register, register_params, rows
+from store_helpers import caller, new_id, opened, query, register, register_params
 from towerd.daemon.store import Store, fleet, idempotency
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import Conflict, Unavailable
-from towerd.protocol.methods import IdemClaimParams
+from towerd.protocol.methods import FleetListParams, IdemClaimParams, SessionRow
 
 pytestmark = pytest.mark.anyio
+
+
+def _all_rows(tx: Tx) -> list[SessionRow]:
+    rows: list[SessionRow] = []
+    cursor = None
+    while True:
+        page = fleet.list_sessions(tx, caller(), FleetListParams(limit=5000, cursor=cursor))
+        rows += page.sessions
+        if page.next_cursor is None:
+            return rows
+        cursor = page.next_cursor
+
+
+async def rows(store: Store) -> list[SessionRow]:
+    """This daemon's fleet rows in stored order, paged through ``fleet.list``."""
+    return await store.read(_all_rows)
 
 
 def noting_batch(seen: list[Tx], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -339,7 +359,7 @@ async def test_a_write_failing_after_changing_rows_reruns_the_batch_answered_fro
 
     def claim(key: str) -> tuple[str, Callable[..., Any], tuple]:
         params = IdemClaimParams(operation="op", key=key)
-        return key, idempotency.claim, ("p", params, None)
+        return key, idempotency.claim, (caller(principal="p", holder=None), params)
 
     published: list[tuple[str, Any]] = []
     async with opened(short_tmp) as store:

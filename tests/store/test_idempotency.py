@@ -11,7 +11,7 @@ import anyio
 import msgspec
 import pytest
 
-from store_helpers import new_id, opened, query, register_params, rows
+from store_helpers import caller, new_id, opened, query, register_params, rows
 from towerd.daemon.store import Store, fleet
 from towerd.daemon.store import idempotency as idem
 from towerd.daemon.store.idempotency import Holder
@@ -24,7 +24,22 @@ from towerd.protocol.errors import (
     NotFound,
     OutcomeUnknown,
 )
-from towerd.protocol.methods import IdemClaimParams, IdemClaimResult, IdemRecord
+from towerd.protocol.methods import (
+    IdemClaimParams,
+    IdemClaimResult,
+    IdemCompleteParams,
+    IdemKeyParams,
+    IdemListParams,
+    IdemListResult,
+    IdemRecord,
+    IdemReleaseResult,
+    IdemReopenParams,
+    IdemReopenResult,
+    IdemResolveParams,
+    IdemResolveResult,
+    SessionRegisterParams,
+    SessionRegisterResult,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -46,23 +61,56 @@ async def claim(
     principal: str = ME,
     **fields: Any,
 ) -> IdemClaimResult:
-    return await store.write(idem.claim, principal, claim_params(key, **fields), holder)
+    return await store.write(idem.claim, caller(principal, holder), claim_params(key, **fields))
 
 
 async def complete(store: Store, key: str, result: Any, principal: str = ME) -> IdemRecord:
-    return await store.write(idem.complete, principal, OP, key, result)
+    params = IdemCompleteParams(operation=OP, key=key, result=result)
+    return await store.write(idem.complete, caller(principal), params)
 
 
 async def mark_unknown(store: Store, key: str, principal: str = ME) -> IdemRecord:
-    return await store.write(idem.mark_unknown, principal, OP, key)
+    return await store.write(idem.mark_unknown, caller(principal), IdemKeyParams(OP, key))
 
 
-async def get(store: Store, key: str, principal: str = ME) -> IdemRecord:
-    return await store.read(idem.get, principal, OP, key)
+async def release(store: Store, key: str, principal: str = ME) -> IdemReleaseResult:
+    return await store.write(idem.release, caller(principal), IdemKeyParams(OP, key))
+
+
+async def resolve(store: Store, key: str, outcome: str, result: Any) -> IdemResolveResult:
+    params = IdemResolveParams(operation=OP, key=key, outcome=outcome, result=result)
+    return await store.write(idem.resolve, caller(ME), params)
+
+
+async def reopen(store: Store, key: str, result: Any, reason: str | None) -> IdemReopenResult:
+    params = IdemReopenParams(operation=OP, key=key, result=result, reason=reason)
+    return await store.write(idem.reopen, caller(ME), params)
+
+
+async def get(store: Store, key: str, principal: str = ME, operation: str = OP) -> IdemRecord:
+    return await store.read(idem.get, caller(principal), IdemKeyParams(operation, key))
+
+
+async def list_keys(
+    store: Store,
+    principal: str = ME,
+    state: str | None = None,
+    operation: str | None = None,
+    limit: int = 5000,
+    cursor: int | None = None,
+) -> IdemListResult:
+    params = IdemListParams(state=state, operation=operation, limit=limit, cursor=cursor)
+    return await store.read(idem.list_keys, caller(principal), params)
 
 
 async def key_count(store: Store) -> int:
-    return len((await store.read(idem.list_keys, ME, None, None, 5000, None)).keys)
+    return len((await list_keys(store)).keys)
+
+
+async def register(
+    store: Store, principal: str, params: SessionRegisterParams, holder: Holder | None
+) -> SessionRegisterResult:
+    return await store.write(fleet.register_session, caller(principal, holder), params)
 
 
 def _backdate(tx: Tx, key: str, age_ms: int) -> None:
@@ -245,7 +293,7 @@ async def test_principals_are_isolated(short_tmp: Path) -> None:
         assert (await get(store, "k1", principal="bob")).state == "in_progress"
         with pytest.raises(IdempotencyKeyUnknown):
             await get(store, "k1", principal="carol")
-        listed = await store.read(idem.list_keys, "bob", None, None, 100, None)
+        listed = await list_keys(store, "bob", limit=100)
         assert [(r.key, r.state) for r in listed.keys] == [("k1", "in_progress")]
 
 
@@ -309,7 +357,7 @@ async def test_release_only_from_in_progress(short_tmp: Path) -> None:
     OutcomeUnknown; an unknown key is IdempotencyKeyUnknown."""
     async with opened(short_tmp) as store:
         first = await claim(store, key="ip")
-        result = await store.write(idem.release, ME, OP, "ip")
+        result = await release(store, "ip")
         assert (result.key, result.released) == ("ip", True)
         again = await claim(store, key="ip")
         assert again.state == "claimed" and again.effect_ref != first.effect_ref
@@ -317,20 +365,17 @@ async def test_release_only_from_in_progress(short_tmp: Path) -> None:
         await claim(store, key="done")
         await complete(store, "done", 1)
         with pytest.raises(Conflict):
-            await store.write(idem.release, ME, OP, "done")
+            await release(store, "done")
 
         unknown = await claim(store, key="unk")
         await mark_unknown(store, "unk")
         with pytest.raises(OutcomeUnknown) as caught:
-            await store.write(idem.release, ME, OP, "unk")
+            await release(store, "unk")
         assert caught.value.data == {"effect_ref": unknown.effect_ref}
 
         with pytest.raises(IdempotencyKeyUnknown):
-            await store.write(idem.release, ME, OP, "never")
-        states = {
-            r.key: r.state
-            for r in (await store.read(idem.list_keys, ME, None, None, 10, None)).keys
-        }
+            await release(store, "never")
+        states = {r.key: r.state for r in (await list_keys(store, limit=10)).keys}
         assert states == {
             "ip": "in_progress",
             "done": "completed",
@@ -359,7 +404,7 @@ async def test_resolve_completed_from_outcome_unknown_is_logged(
     async with opened(short_tmp) as store:
         first = await claim(store)
         await mark_unknown(store, "k1")
-        result = await store.write(idem.resolve, ME, OP, "k1", "completed", {"checked": True})
+        result = await resolve(store, "k1", "completed", {"checked": True})
         assert result.outcome == "completed"
         assert result.record is not None
         assert (result.record.state, result.record.result) == (
@@ -386,7 +431,7 @@ async def test_resolve_abandoned_deletes_the_key_and_is_logged(short_tmp: Path) 
     async with opened(short_tmp) as store:
         await claim(store)
         await mark_unknown(store, "k1")
-        result = await store.write(idem.resolve, ME, OP, "k1", "abandoned", None)
+        result = await resolve(store, "k1", "abandoned", None)
         assert (result.outcome, result.record) == ("abandoned", None)
         assert (await claim(store)).state == "claimed"
     assert [
@@ -405,11 +450,11 @@ async def test_resolve_refused_unless_outcome_unknown(short_tmp: Path, state: st
         before = await get(store, "k1")
         for outcome in ("completed", "abandoned"):
             with pytest.raises(Conflict) as caught:
-                await store.write(idem.resolve, ME, OP, "k1", outcome, 2)
+                await resolve(store, "k1", outcome, 2)
             assert caught.value.data["state"] == state
         assert await get(store, "k1") == before
         with pytest.raises(IdempotencyKeyUnknown):
-            await store.write(idem.resolve, ME, OP, "missing", "completed", 2)
+            await resolve(store, "missing", "completed", 2)
     assert query(short_tmp, "SELECT count(*) FROM operator_log") == [(0,)]
 
 
@@ -467,10 +512,7 @@ async def test_expire_completed_removes_only_old_completed_keys(
             await store.write(_backdate, key, 60_000)
         expired = await store.write(idem.expire_completed, 10_000)
         assert expired == 1
-        states = {
-            r.key: r.state
-            for r in (await store.read(idem.list_keys, ME, None, None, 10, None)).keys
-        }
+        states = {r.key: r.state for r in (await list_keys(store, limit=10)).keys}
         assert states == {
             "new-done": "completed",
             "old-ip": "in_progress",
@@ -506,7 +548,7 @@ async def test_mark_holders_dead_moves_only_that_holders_in_progress_keys(
         states = {
             r.key: r.state
             for principal in ("alice", "bob")
-            for r in (await store.read(idem.list_keys, principal, None, None, 10, None)).keys
+            for r in (await list_keys(store, principal, limit=10)).keys
         }
         assert states == {
             "dead-1": "outcome_unknown",
@@ -525,8 +567,8 @@ async def test_list_keys_filters_and_pages(short_tmp: Path) -> None:
             await claim(store, key=f"k{n}")
         await complete(store, "k1", None)
         await claim(store, key="other", operation="x.op")
-        page1 = await store.read(idem.list_keys, ME, "in_progress", OP, 2, None)
-        page2 = await store.read(idem.list_keys, ME, "in_progress", OP, 2, page1.next_cursor)
+        page1 = await list_keys(store, ME, "in_progress", OP, 2, None)
+        page2 = await list_keys(store, ME, "in_progress", OP, 2, page1.next_cursor)
         assert [r.key for r in page1.keys] == ["k0", "k2"]
         assert [r.key for r in page2.keys] == ["k3", "k4"]
         assert page2.next_cursor is None
@@ -549,11 +591,11 @@ async def test_register_retry_returns_the_same_session_and_inserts_once(
     first session id and inserts no second row."""
     async with opened(short_tmp) as store:
         params = register_params(idempotency_key="reg-1", name="w", agent_session_id="as-1")
-        first = await store.write(fleet.register_session, ME, params, HOLDER)
-        second = await store.write(fleet.register_session, ME, params, OTHER_HOLDER)
+        first = await register(store, ME, params, HOLDER)
+        second = await register(store, ME, params, OTHER_HOLDER)
         assert second.session_id == first.session_id
         assert [r.session_id for r in await rows(store)] == [first.session_id]
-        record = await store.read(idem.get, ME, fleet.REGISTER_OPERATION, "reg-1")
+        record = await get(store, "reg-1", operation=fleet.REGISTER_OPERATION)
         assert (record.state, record.effect_ref, record.result) == (
             "completed",
             first.session_id,
@@ -568,7 +610,7 @@ async def test_concurrent_register_retries_insert_once(short_tmp: Path) -> None:
         params = register_params(idempotency_key="reg-c")
 
         async def attempt() -> None:
-            answers.append((await store.write(fleet.register_session, ME, params, None)).session_id)
+            answers.append((await register(store, ME, params, None)).session_id)
 
         async with anyio.create_task_group() as tasks:
             for _ in range(10):
@@ -582,19 +624,9 @@ async def test_register_with_different_params_under_the_same_key_conflicts(
 ) -> None:
     """Other params under a used key: IdempotencyConflict and no second row."""
     async with opened(short_tmp) as store:
-        await store.write(
-            fleet.register_session,
-            ME,
-            register_params(idempotency_key="k", name="a"),
-            None,
-        )
+        await register(store, ME, register_params(idempotency_key="k", name="a"), None)
         with pytest.raises(IdempotencyConflict):
-            await store.write(
-                fleet.register_session,
-                ME,
-                register_params(idempotency_key="k", name="b"),
-                None,
-            )
+            await register(store, ME, register_params(idempotency_key="k", name="b"), None)
         assert [r.name for r in await rows(store)] == ["a"]
 
 
@@ -602,8 +634,8 @@ async def test_register_key_is_per_principal(short_tmp: Path) -> None:
     """The same register key under another principal registers another session."""
     async with opened(short_tmp) as store:
         params = register_params(idempotency_key="k")
-        a = await store.write(fleet.register_session, "alice", params, None)
-        b = await store.write(fleet.register_session, "bob", params, None)
+        a = await register(store, "alice", params, None)
+        b = await register(store, "bob", params, None)
         assert a.session_id != b.session_id
         assert len(await rows(store)) == 2
 
@@ -614,9 +646,9 @@ async def test_failed_keyed_register_records_no_key(short_tmp: Path) -> None:
     async with opened(short_tmp) as store:
         params = register_params(idempotency_key="k", parent=new_id())
         with pytest.raises(NotFound):
-            await store.write(fleet.register_session, ME, params, None)
+            await register(store, ME, params, None)
         with pytest.raises(IdempotencyKeyUnknown):
-            await store.read(idem.get, ME, fleet.REGISTER_OPERATION, "k")
+            await get(store, "k", operation=fleet.REGISTER_OPERATION)
         assert await rows(store) == []
 
 
@@ -631,12 +663,11 @@ async def test_register_key_in_progress_from_a_claim_is_refused(
         del digest_payload["idempotency_key"]
         await store.write(
             idem.claim,
-            ME,
+            caller(ME, HOLDER),
             IdemClaimParams(operation=fleet.REGISTER_OPERATION, key="k", payload=digest_payload),
-            HOLDER,
         )
         with pytest.raises(IdempotencyInProgress) as caught:
-            await store.write(fleet.register_session, ME, params, HOLDER)
+            await register(store, ME, params, HOLDER)
         assert caught.value.data["held_by_caller"] is True
         assert await rows(store) == []
 
@@ -647,16 +678,16 @@ async def test_claim_retried_with_its_attempt_token_is_claimed_again(short_tmp: 
     once the key is outcome_unknown even the same token is refused."""
     async with opened(short_tmp) as store:
         first = IdemClaimParams(operation="op", key="k", attempt="token-1")
-        claimed = await store.write(idem.claim, "p", first, None)
-        again = await store.write(idem.claim, "p", first, None)
+        claimed = await store.write(idem.claim, caller("p"), first)
+        again = await store.write(idem.claim, caller("p"), first)
         assert (again.state, again.effect_ref) == ("claimed", claimed.effect_ref)
         for other in ("token-2", None):
             with pytest.raises(IdempotencyInProgress):
                 params = IdemClaimParams(operation="op", key="k", attempt=other)
-                await store.write(idem.claim, "p", params, None)
-        await store.write(idem.mark_unknown, "p", "op", "k")
+                await store.write(idem.claim, caller("p"), params)
+        await store.write(idem.mark_unknown, caller("p"), IdemKeyParams("op", "k"))
         with pytest.raises(OutcomeUnknown):
-            await store.write(idem.claim, "p", first, None)
+            await store.write(idem.claim, caller("p"), first)
 
 
 @pytest.mark.parametrize("odd_result", [None, {"ok": 1}, {"session_id": 5}])
@@ -671,10 +702,11 @@ async def test_register_key_completed_by_hand_with_another_result_is_conflict(
     del request["idempotency_key"]
     async with opened(short_tmp) as store:
         claim = IdemClaimParams(operation="session.register", key="shared", payload=request)
-        await store.write(idem.claim, "p", claim, None)
-        await store.write(idem.complete, "p", "session.register", "shared", odd_result)
+        await store.write(idem.claim, caller("p"), claim)
+        done = IdemCompleteParams(operation="session.register", key="shared", result=odd_result)
+        await store.write(idem.complete, caller("p"), done)
         with pytest.raises(Conflict, match="not a registration"):
-            await store.write(fleet.register_session, "p", params, None)
+            await register(store, "p", params, None)
         assert await rows(store) == []
 
 
@@ -690,11 +722,11 @@ async def test_reopen_forgets_a_completed_outcome_once_and_logs_it(short_tmp: Pa
     async with opened(short_tmp) as store:
         await claim(store, "push")
         await complete(store, "push", failed)
-        reopened = await store.write(idem.reopen, ME, OP, "push", failed, "remote was down")
+        reopened = await reopen(store, "push", failed, "remote was down")
         assert reopened.reopened and reopened.previous.result == failed
         assert (await claim(store, "push")).state == "claimed"
         with pytest.raises(Conflict):  # in progress again: nothing to reopen
-            await store.write(idem.reopen, ME, OP, "push", failed, None)
+            await reopen(store, "push", failed, None)
     (detail,) = [
         json.loads(d)
         for (action, d) in query(short_tmp, "SELECT action, detail FROM operator_log")
@@ -710,7 +742,7 @@ async def test_reopen_refuses_an_unsettled_key(short_tmp: Path, state: str) -> N
         if state == "outcome_unknown":
             await mark_unknown(store, "k")
         with pytest.raises(Conflict) as refused:
-            await store.write(idem.reopen, ME, OP, "k", None, None)
+            await reopen(store, "k", None, None)
         assert refused.value.data["state"] == state
         assert (await get(store, "k")).state == state
 
@@ -722,7 +754,7 @@ async def test_reopen_refuses_an_outcome_other_than_the_one_named(short_tmp: Pat
         await claim(store, "k")
         await complete(store, "k", {"exit_status": 0})
         with pytest.raises(Conflict):
-            await store.write(idem.reopen, ME, OP, "k", {"exit_status": 1}, None)
+            await reopen(store, "k", {"exit_status": 1}, None)
         assert (await get(store, "k")).result == {"exit_status": 0}
         with pytest.raises(IdempotencyKeyUnknown):
-            await store.write(idem.reopen, ME, OP, "nothing", None, None)
+            await reopen(store, "nothing", None, None)

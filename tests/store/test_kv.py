@@ -2,8 +2,10 @@
 msgpack round trips, on a real SQLite file.
 
 Reads go through ``store.read_now`` (the loop's own read connection) as ``kv.get``'s
-handler does, and ``store.read`` as ``kv.list``'s does; the clock of a write is moved
-by running it on a shifted Tx, never by sleeping.
+route does, and ``store.read`` as ``kv.list``'s does; every call is ``fn(tx, caller,
+params)`` as in daemon/handlers.py. The clock of a write is moved by running it on a
+shifted Tx, never by sleeping; a size limit or byte budget by running it on a Tx whose
+config carries it.
 """
 
 from __future__ import annotations
@@ -16,16 +18,25 @@ from typing import Any
 
 import pytest
 
-from store_helpers import opened
+from store_helpers import caller, opened
 from towerd.daemon.store import Store, kv
 from towerd.daemon.store.tx import Tx, pack
 from towerd.protocol.errors import BadArgs, NotFound
-from towerd.protocol.methods import DEFAULT_KV_MAX_VALUE, KvDeleteResult, KvEntry
+from towerd.protocol.methods import (
+    DEFAULT_KV_MAX_VALUE,
+    KvDeleteResult,
+    KvEntry,
+    KvKeyParams,
+    KvListParams,
+    KvListResult,
+    KvSetParams,
+)
 
 pytestmark = pytest.mark.anyio
 
 LIMIT = DEFAULT_KV_MAX_VALUE
 BIG_BUDGET = 1 << 30
+WHO = caller()  # who asks: kv rows are shared, a new one counts for its principal's quota
 
 
 def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -37,15 +48,41 @@ def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
+    """``fn`` run on a Tx whose config has ``settings`` (as ``towerd --kv-max-value`` etc.)."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
+
+    return run
+
+
 async def put(
     store: Store, key: str, value: Any, scope: str = "global", scope_id: str = "",
     shift: int = 0, max_bytes: int = LIMIT,
 ) -> KvEntry:  # fmt: skip
-    return await store.write(at(shift, kv.set_value), scope, scope_id, key, value, max_bytes)
+    fn = configured(at(shift, kv.set_value), kv_max_value=max_bytes)
+    params = KvSetParams(scope=scope, key=key, value=value, scope_id=scope_id)
+    return await store.write(fn, WHO, params)
 
 
 def get(store: Store, key: str, scope: str = "global", scope_id: str = "") -> KvEntry:
-    return store.read_now(kv.get_value, scope, scope_id, key)
+    return store.read_now(kv.get_value, WHO, KvKeyParams(scope=scope, key=key, scope_id=scope_id))
+
+
+async def delete(
+    store: Store, key: str, scope: str = "global", scope_id: str = ""
+) -> KvDeleteResult:
+    params = KvKeyParams(scope=scope, key=key, scope_id=scope_id)
+    return await store.write(kv.delete_value, WHO, params)
+
+
+async def list_page(
+    store: Store, scope: str, scope_id: str, after: str | None, limit: int, budget: int
+) -> KvListResult:
+    """One ``kv.list`` page under a byte budget of ``budget`` (a frame twice that size)."""
+    params = KvListParams(scope=scope, scope_id=scope_id, after=after, limit=limit)
+    return await store.read(configured(kv.list_values, max_frame=2 * budget), WHO, params)
 
 
 async def rows(store: Store) -> list[tuple[Any, ...]]:
@@ -90,9 +127,9 @@ async def test_delete_answers_whether_it_deleted(short_tmp: Path) -> None:
     async with opened(short_tmp) as store:
         await put(store, "a", 1)
         kept = await put(store, "b", 2)
-        assert await store.write(kv.delete_value, "global", "", "a") == KvDeleteResult(True)
-        assert await store.write(kv.delete_value, "global", "", "a") == KvDeleteResult(False)
-        assert await store.write(kv.delete_value, "global", "", "never") == KvDeleteResult(False)
+        assert await delete(store, "a") == KvDeleteResult(True)
+        assert await delete(store, "a") == KvDeleteResult(False)
+        assert await delete(store, "never") == KvDeleteResult(False)
         with pytest.raises(NotFound):
             get(store, "a")
         assert get(store, "b") == kept
@@ -134,12 +171,12 @@ async def test_scopes_and_scope_ids_isolate_keys(short_tmp: Path) -> None:
             assert get(store, "last_seen", scope, scope_id).value == n
         with pytest.raises(NotFound):
             get(store, "last_seen", "global", "w1")
-        deleted = await store.write(kv.delete_value, "worker", "w1", "last_seen")
+        deleted = await delete(store, "last_seen", "worker", "w1")
         assert deleted.deleted is True
         assert [(r[0], r[1]) for r in await rows(store)] == [
             ("global", ""), ("milestone", "w1"), ("worker", "w2"),
         ]  # fmt: skip
-        listed = await store.read(kv.list_values, "worker", "w2", None, 10, BIG_BUDGET)
+        listed = await list_page(store, "worker", "w2", None, 10, BIG_BUDGET)
         assert [(e.key, e.value) for e in listed.entries] == [("last_seen", 2)]
 
 
@@ -153,7 +190,7 @@ async def test_list_by_key_with_paging_and_a_byte_budget(short_tmp: Path) -> Non
         await put(store, "zzz", "elsewhere", "milestone", "M002")
 
         async def page(after: str | None, limit: int, budget: int = BIG_BUDGET) -> Any:
-            return await store.read(kv.list_values, "milestone", "M001", after, limit, budget)
+            return await list_page(store, "milestone", "M001", after, limit, budget)
 
         seen, after, sizes = [], None, []
         while True:
@@ -177,7 +214,7 @@ async def test_list_by_key_with_paging_and_a_byte_budget(short_tmp: Path) -> Non
         assert ([e.key for e in cut.entries], cut.next_after) == (["a", "b"], "b")
         tiny = await page(None, 7, budget=1)
         assert ([e.key for e in tiny.entries], tiny.next_after) == (["a"], "a")
-        empty = await store.read(kv.list_values, "global", "", None, 10, BIG_BUDGET)
+        empty = await list_page(store, "global", "", None, 10, BIG_BUDGET)
         assert (empty.entries, empty.next_after) == ([], None)
 
 
@@ -225,7 +262,7 @@ async def test_every_msgpack_type_round_trips(short_tmp: Path) -> None:
             await put(store, name, value, "worker", "w1")
         for name, value in VALUES.items():
             assert same(value, get(store, name, "worker", "w1").value), name
-        listed = await store.read(kv.list_values, "worker", "w1", None, 100, BIG_BUDGET)
+        listed = await list_page(store, "worker", "w1", None, 100, BIG_BUDGET)
         assert [e.key for e in listed.entries] == sorted(VALUES)
         for entry in listed.entries:
             assert same(VALUES[entry.key], entry.value), entry.key

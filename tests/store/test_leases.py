@@ -1,8 +1,9 @@
 """Fenced leases in the store: grants, tokens, refusals, expiry and dead holders.
 
-The clock is moved by running a store function on a Tx whose ``now`` is shifted
-(``at``), never by sleeping; a dead holder is this process's pid with a start
-time that is not its own.
+Every request is ``fn(tx, caller, params)`` as its route in daemon/handlers.py runs it:
+the caller (principal and holder process) asks, the params say what. The clock is
+moved by running a store function on a Tx whose ``now`` is shifted (``at``), never by
+sleeping; a dead holder is this process's pid with a start time that is not its own.
 """
 
 from __future__ import annotations
@@ -15,12 +16,21 @@ from typing import Any
 
 import pytest
 
-from store_helpers import opened
+from store_helpers import caller, opened
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import Store, leases
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import LeaseExpired, LeaseHeld, LeaseNotFound, LeaseSuperseded
-from towerd.protocol.methods import LeaseAcquireResult, LeaseRecord, LeaseReleaseResult
+from towerd.protocol.methods import (
+    Empty,
+    LeaseAcquireParams,
+    LeaseAcquireResult,
+    LeaseRecord,
+    LeaseReleaseResult,
+    LeaseRenewParams,
+    LeaseResourceParams,
+    LeaseTokenParams,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -53,7 +63,34 @@ async def acquire(
     ttl_ms: int = TTL,
     shift: int = 0,
 ) -> LeaseAcquireResult:
-    return await store.write(at(shift, leases.acquire), principal, holder, resource, ttl_ms)
+    params = LeaseAcquireParams(resource=resource, ttl_ms=ttl_ms)
+    return await store.write(at(shift, leases.acquire), caller(principal, holder), params)
+
+
+async def renew(
+    store: Store, principal: str, holder: Holder | None, resource: str, token: int,
+    ttl_ms: int, shift: int = 0,
+) -> LeaseAcquireResult:  # fmt: skip
+    params = LeaseRenewParams(resource=resource, fencing_token=token, ttl_ms=ttl_ms)
+    return await store.write(at(shift, leases.renew), caller(principal, holder), params)
+
+
+async def release(
+    store: Store, principal: str, holder: Holder | None, resource: str, token: int,
+    shift: int = 0,
+) -> LeaseReleaseResult:  # fmt: skip
+    params = LeaseTokenParams(resource=resource, fencing_token=token)
+    return await store.write(at(shift, leases.release), caller(principal, holder), params)
+
+
+async def get(store: Store, resource: str, shift: int = 0) -> LeaseRecord:
+    """lease.get as anyone sees it (it names no caller)."""
+    return await store.read(at(shift, leases.get), caller(), LeaseResourceParams(resource))
+
+
+async def list_live(store: Store) -> list[LeaseRecord]:
+    """lease.list's leases, as anyone sees them."""
+    return (await store.read(leases.list_leases, caller(), Empty())).leases
 
 
 async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -94,7 +131,7 @@ async def test_first_grant_is_token_1_and_is_stored_with_its_counter(short_tmp: 
             store.daemon_id,
         )  # fmt: skip
         assert await counters(store) == {RES: 1}
-        assert await store.read(leases.get, RES) == LeaseRecord(
+        assert await get(store, RES) == LeaseRecord(
             resource=RES,
             fencing_token=1,
             expires_at=acquired_at + TTL,
@@ -145,7 +182,7 @@ async def test_a_live_lease_refuses_anyone_else_with_the_lease(
     async with opened(short_tmp) as store:
         await acquire(store)
         before = await lease_rows(store)
-        record = await store.read(leases.get, RES)
+        record = await get(store, RES)
         with pytest.raises(LeaseHeld) as held:
             await acquire(store, principal=principal, holder=holder)
         assert held.value.data == {"lease": as_dict(record)}
@@ -163,7 +200,7 @@ async def test_tokens_strictly_increase_across_release_expiry_takeover_and_death
     another principal's takeover of an expired lease, and a dead holder's lease."""
     async with opened(short_tmp) as store:
         tokens = [(await acquire(store)).fencing_token]
-        await store.write(leases.release, ME, LIVE, RES, tokens[-1])
+        await release(store, ME, LIVE, RES, tokens[-1])
         tokens.append((await acquire(store)).fencing_token)  # after a release
         expired_again = await acquire(store, shift=TTL)  # its own, expired at the deadline
         assert expired_again.renewed is False
@@ -183,7 +220,7 @@ async def test_a_dead_holders_lease_is_taken_over_before_its_deadline(short_tmp:
     with the next token, long before its deadline."""
     async with opened(short_tmp) as store:
         dead = await acquire(store, holder=DEAD, ttl_ms=600_000)
-        record = await store.read(leases.get, RES)
+        record = await get(store, RES)
         assert (record.fencing_token, record.live) == (1, False)
         assert record.expires_at == dead.expires_at
         taken = await acquire(store, principal="bob")
@@ -214,7 +251,7 @@ async def test_renew_extends_under_the_same_token(short_tmp: Path) -> None:
     """renew by the holder with its token: same token, new deadline, renewed_at moved."""
     async with opened(short_tmp) as store:
         first = await acquire(store)
-        renewed = await store.write(at(1_000, leases.renew), ME, LIVE, RES, 1, 2 * TTL)
+        renewed = await renew(store, ME, LIVE, RES, 1, 2 * TTL, shift=1_000)
         [row] = await lease_rows(store)
         assert renewed == LeaseAcquireResult(RES, 1, row[6] + 2 * TTL, f"{ME} pid {LIVE.pid}", True)
         assert renewed.expires_at > first.expires_at
@@ -231,8 +268,8 @@ async def test_renew_and_release_refusals_in_order(short_tmp: Path, operation: s
         principal: str = ME, holder: Holder | None = LIVE, token: int = 1, shift: int = 0
     ) -> Any:
         if operation == "renew":
-            return await store.write(at(shift, leases.renew), principal, holder, RES, token, TTL)
-        return await store.write(at(shift, leases.release), principal, holder, RES, token)
+            return await renew(store, principal, holder, RES, token, TTL, shift=shift)
+        return await release(store, principal, holder, RES, token, shift=shift)
 
     async with opened(short_tmp) as store:
         with pytest.raises(LeaseNotFound) as missing:
@@ -241,7 +278,7 @@ async def test_renew_and_release_refusals_in_order(short_tmp: Path, operation: s
 
         granted = await acquire(store)
         before = await lease_rows(store)
-        record = as_dict(await store.read(leases.get, RES))
+        record = as_dict(await get(store, RES))
         for principal, holder, token in [
             (ME, LIVE, 2),  # a token that was never this lease's
             ("bob", LIVE, 1),  # another principal
@@ -276,9 +313,9 @@ async def test_an_expired_lease_is_never_renewed_under_its_old_token(short_tmp: 
         before = await lease_rows(store)
         for shift in (TTL, TTL + 1, 10 * TTL):
             with pytest.raises(LeaseExpired):
-                await store.write(at(shift, leases.renew), ME, LIVE, RES, 1, TTL)
+                await renew(store, ME, LIVE, RES, 1, TTL, shift=shift)
         assert await lease_rows(store) == before
-        record = await store.read(at(TTL, leases.get), RES)
+        record = await get(store, RES, shift=TTL)
         assert (record.fencing_token, record.live, record.expires_at) == (
             1,
             False,
@@ -287,7 +324,7 @@ async def test_an_expired_lease_is_never_renewed_under_its_old_token(short_tmp: 
         again = await acquire(store, shift=TTL)
         assert (again.fencing_token, again.renewed) == (2, False)
         with pytest.raises(LeaseSuperseded):
-            await store.write(at(TTL, leases.renew), ME, LIVE, RES, 1, TTL)
+            await renew(store, ME, LIVE, RES, 1, TTL, shift=TTL)
 
 
 async def test_release_deletes_the_lease_but_not_the_token_counter(short_tmp: Path) -> None:
@@ -295,14 +332,14 @@ async def test_release_deletes_the_lease_but_not_the_token_counter(short_tmp: Pa
     lease_tokens, so the next grant is the released token + 1."""
     async with opened(short_tmp) as store:
         await acquire(store)
-        released = await store.write(leases.release, ME, LIVE, RES, 1)
+        released = await release(store, ME, LIVE, RES, 1)
         assert released == LeaseReleaseResult(resource=RES, fencing_token=1, released=True)
         assert await lease_rows(store) == []
         assert await counters(store) == {RES: 1}
         with pytest.raises(LeaseNotFound):
-            await store.read(leases.get, RES)
+            await get(store, RES)
         with pytest.raises(LeaseNotFound):
-            await store.write(leases.release, ME, LIVE, RES, 1)
+            await release(store, ME, LIVE, RES, 1)
         assert (await acquire(store, principal="bob")).fencing_token == 2
         assert await counters(store) == {RES: 2}
 
@@ -311,7 +348,7 @@ async def test_tokens_are_counted_per_resource(short_tmp: Path) -> None:
     """Each resource has its own counter."""
     async with opened(short_tmp) as store:
         await acquire(store, "a")
-        await store.write(leases.release, ME, LIVE, "a", 1)
+        await release(store, ME, LIVE, "a", 1)
         await acquire(store, "a")
         assert (await acquire(store, "b")).fencing_token == 1
         assert await counters(store) == {"a": 2, "b": 1}
@@ -328,11 +365,11 @@ async def test_list_live_excludes_expired_and_dead_holder_leases(short_tmp: Path
         await acquire(store, "b-dead", holder=DEAD)
         await acquire(store, "c-expired", shift=-2 * TTL)
         await acquire(store, "a-no-holder", principal="bob", holder=None)
-        listed = await store.read(leases.list_live)
+        listed = await list_live(store)
         assert [(r.resource, r.live) for r in listed] == [("a-no-holder", True), ("d-live", True)]
         assert listed[0].holder_pid is None and listed[0].holder == "bob"
         for resource in ("b-dead", "c-expired"):
-            assert (await store.read(leases.get, resource)).live is False
+            assert (await get(store, resource)).live is False
         assert len(await lease_rows(store)) == 4
 
 

@@ -9,11 +9,17 @@ from typing import Any
 
 import pytest
 
-from store_helpers import opened, parents, register, rows
+from store_helpers import caller, opened, parents, register, rows
+from towerd.daemon.store import Store
 from towerd.daemon.store.legacy import import_legacy, snake_case
-from towerd.protocol.methods import UUID_PATTERN, LegacyImportResult
+from towerd.protocol.methods import UUID_PATTERN, LegacyImportParams, LegacyImportResult
 
 pytestmark = pytest.mark.anyio
+
+
+async def import_entries(store: Store, raw: list[Any]) -> LegacyImportResult:
+    """fleet.import_legacy of these raw entries, through the store."""
+    return await store.write(import_legacy, caller(), LegacyImportParams(entries=raw))
 
 
 def camel(agent_session_id: str, **extra: Any) -> dict[str, Any]:
@@ -78,7 +84,7 @@ async def test_camel_case_entries_are_imported_with_every_field(
         )
     ]
     async with opened(short_tmp) as store:
-        result = await store.write(import_legacy, raw)
+        result = await import_entries(store, raw)
         assert (result.imported, result.skipped, result.skips) == (1, 0, [])
         [row] = await rows(store)
         assert row.session_id == minted(result)["A"]
@@ -112,7 +118,7 @@ async def test_snake_case_entries_are_imported(short_tmp: Path) -> None:
     """The same file written with snake_case keys imports identically."""
     raw = [snake("S", last_attached_at=5, transcript_path="/t/S")]
     async with opened(short_tmp) as store:
-        result = await store.write(import_legacy, raw)
+        result = await import_entries(store, raw)
         assert result.imported == 1
         [row] = await rows(store)
         assert (
@@ -144,7 +150,7 @@ async def test_bad_entries_are_skipped_with_index_and_reason(short_tmp: Path) ->
         camel("good2"),
     ]
     async with opened(short_tmp) as store:
-        result = await store.write(import_legacy, raw)
+        result = await import_entries(store, raw)
         assert result.imported == 2
         assert [s.agent_session_id for s in result.sessions] == ["good1", "good2"]
         assert result.skipped == len(result.skips) == 8
@@ -175,7 +181,7 @@ async def test_bad_snake_case_entry_skip_names_its_agent_session(
         {"agent_session_id": "snake-no-cwd", "agent": "a"},
     ]
     async with opened(short_tmp) as store:
-        result = await store.write(import_legacy, raw)
+        result = await import_entries(store, raw)
         assert [(s.index, s.agent_session_id) for s in result.skips] == [
             (0, "camel-no-cwd"),
             (1, "snake-no-cwd"),
@@ -192,7 +198,7 @@ async def test_duplicates_keep_the_last_entry(short_tmp: Path) -> None:
         snake("D", name="third"),
     ]
     async with opened(short_tmp) as store:
-        result = await store.write(import_legacy, raw)
+        result = await import_entries(store, raw)
         assert result.imported == 2
         assert [(s.index, s.agent_session_id) for s in result.skips] == [
             (0, "D"),
@@ -210,7 +216,7 @@ async def test_entries_already_in_the_fleet_are_skipped(short_tmp: Path) -> None
     skipped naming its session; it is not touched."""
     async with opened(short_tmp) as store:
         existing = await register(store, agent_session_id="OLD", name="kept")
-        result = await store.write(import_legacy, [camel("OLD", name="legacy"), camel("NEW")])
+        result = await import_entries(store, [camel("OLD", name="legacy"), camel("NEW")])
         assert result.imported == 1
         [skip] = result.skips
         assert (skip.index, skip.agent_session_id) == (0, "OLD")
@@ -233,7 +239,7 @@ async def test_parents_are_mapped_to_minted_ids(short_tmp: Path) -> None:
             camel("kid2", parent="STORED"),  # parent already in the fleet
             camel("orphan", parent="nobody"),
         ]
-        result = await store.write(import_legacy, raw)
+        result = await import_entries(store, raw)
         ids = minted(result)
         assert result.imported == 4
         assert await parents(store) == {
@@ -255,7 +261,7 @@ async def test_legacy_grandchildren_and_cycles_are_relinked(short_tmp: Path) -> 
         camel("Y", parent="X"),
     ]
     async with opened(short_tmp) as store:
-        result = await store.write(import_legacy, raw)
+        result = await import_entries(store, raw)
         ids = minted(result)
         assert await parents(store) == {
             ids["R"]: None,
@@ -270,10 +276,10 @@ async def test_imported_count_and_order(short_tmp: Path) -> None:
     """imported counts exactly the rows written; rows are stored in file order."""
     raw = [camel(f"s{i}") for i in range(25)] + [42]
     async with opened(short_tmp) as store:
-        result = await store.write(import_legacy, raw)
+        result = await import_entries(store, raw)
         assert (result.imported, result.skipped) == (25, 1)
         assert [r.agent_session_id for r in await rows(store)] == [f"s{i}" for i in range(25)]
-        again = await store.write(import_legacy, raw)
+        again = await import_entries(store, raw)
         assert (again.imported, again.skipped) == (0, 26)
         assert len(await rows(store)) == 25
 
@@ -281,5 +287,5 @@ async def test_imported_count_and_order(short_tmp: Path) -> None:
 async def test_empty_import(short_tmp: Path) -> None:
     """An empty legacy file imports nothing and fails nothing."""
     async with opened(short_tmp) as store:
-        result = await store.write(import_legacy, [])
+        result = await import_entries(store, [])
         assert (result.imported, result.skipped, result.sessions) == (0, 0, [])

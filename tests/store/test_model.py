@@ -62,12 +62,12 @@ from hypothesis.stateful import (
 )
 from msgspec import UNSET
 
-from store_helpers import entry, register_params
+from store_helpers import caller, entry, register_params
 from towerd.daemon.store import Store, StoreConfig, fleet, open_store
 from towerd.daemon.store import idempotency as idem
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.reconcile import settle_dead_holders
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import Caller, Tx
 from towerd.protocol.errors import (
     BadArgs,
     Conflict,
@@ -79,7 +79,18 @@ from towerd.protocol.errors import (
     StaleEpoch,
     TowerdError,
 )
-from towerd.protocol.methods import UUID_PATTERN, IdemClaimParams, SessionUpdateParams
+from towerd.protocol.methods import (
+    UUID_PATTERN,
+    FleetListParams,
+    FleetWriteParams,
+    IdemClaimParams,
+    IdemCompleteParams,
+    IdemKeyParams,
+    IdemListParams,
+    IdemResolveParams,
+    SessionIdParams,
+    SessionUpdateParams,
+)
 
 EXAMPLES = int(os.environ.get("TOWERD_MODEL_EXAMPLES", "50"))
 STEPS = int(os.environ.get("TOWERD_MODEL_STEPS", "30"))
@@ -186,6 +197,12 @@ def model_relink(
         return sid
 
     return {sid: None if top(sid) == sid else top(sid) for sid in order}
+
+
+def keyed(key_id: tuple[str, str, str]) -> tuple[Caller, IdemKeyParams]:
+    """The (caller, params) of an idem call on ``key_id``: (principal, operation, key)."""
+    principal, operation, key = key_id
+    return caller(principal), IdemKeyParams(operation=operation, key=key)
 
 
 def event(label: str) -> None:
@@ -431,13 +448,14 @@ class StoreModel(RuleBasedStateMachine):
             effect_ref=effect_ref,
             replay_only=replay_only,
         )
+        claimant = caller(principal, holder)
         rec = self.keys.get(key_id)
         refusal: Refused | None = None
         if rec is not None:
             if rec.payload != label:
                 refusal = Refused(IdempotencyConflict, state=rec.state)
             elif rec.state == "completed":
-                answer = self.write(daemon, idem.claim, principal, params, holder)
+                answer = self.write(daemon, idem.claim, claimant, params)
                 assert (answer.state, answer.effect_ref) == ("completed", rec.effect_ref)
                 assert strict_equal(answer.result, rec.result), (answer.result, rec.result)
                 return
@@ -446,8 +464,8 @@ class StoreModel(RuleBasedStateMachine):
         elif replay_only:
             refusal = Refused(IdempotencyKeyUnknown, operation=operation, key=key)
         if refusal is not None:
-            return self.expect_refusal(refusal, daemon, idem.claim, principal, params, holder)
-        answer = self.write(daemon, idem.claim, principal, params, holder)
+            return self.expect_refusal(refusal, daemon, idem.claim, claimant, params)
+        answer = self.write(daemon, idem.claim, claimant, params)
         assert answer.state == "claimed" and answer.result is None
         if effect_ref is not None:
             assert answer.effect_ref == effect_ref
@@ -478,14 +496,15 @@ class StoreModel(RuleBasedStateMachine):
 
     def _complete(self, daemon: str, key_id: tuple[str, str, str], result: Any) -> None:
         rec = self.keys.get(key_id)
-        args = (*key_id, result)
+        principal, operation, key = key_id
+        args = (caller(principal), IdemCompleteParams(operation=operation, key=key, result=result))
         if rec is None:
             return self.expect_refusal(self._missing(key_id), daemon, idem.complete, *args)
         if rec.state == "completed":
             if not strict_equal(rec.result, result):
                 refusal = Refused(Conflict, operation=key_id[1], key=key_id[2])
                 return self.expect_refusal(refusal, daemon, idem.complete, *args)
-            before = self.read(daemon, idem.get, *key_id)
+            before = self.read(daemon, idem.get, *keyed(key_id))
             assert self.write(daemon, idem.complete, *args) == before  # unchanged, updated_at too
             return None
         record = self.write(daemon, idem.complete, *args)
@@ -499,14 +518,14 @@ class StoreModel(RuleBasedStateMachine):
         key_id = self.draw_key(data)
         rec = self.keys.get(key_id)
         if rec is None:
-            return self.expect_refusal(self._missing(key_id), daemon, idem.release, *key_id)
+            return self.expect_refusal(self._missing(key_id), daemon, idem.release, *keyed(key_id))
         if rec.state == "completed":
             refusal = Refused(Conflict, operation=key_id[1], key=key_id[2])
-            return self.expect_refusal(refusal, daemon, idem.release, *key_id)
+            return self.expect_refusal(refusal, daemon, idem.release, *keyed(key_id))
         if rec.state == "outcome_unknown":
             refusal = Refused(OutcomeUnknown, effect_ref=rec.effect_ref)
-            return self.expect_refusal(refusal, daemon, idem.release, *key_id)
-        answer = self.write(daemon, idem.release, *key_id)
+            return self.expect_refusal(refusal, daemon, idem.release, *keyed(key_id))
+        answer = self.write(daemon, idem.release, *keyed(key_id))
         assert (answer.operation, answer.key, answer.released) == (*key_id[1:], True)
         del self.keys[key_id]
         return None
@@ -518,11 +537,12 @@ class StoreModel(RuleBasedStateMachine):
     def _mark_unknown(self, daemon: str, key_id: tuple[str, str, str]) -> None:
         rec = self.keys.get(key_id)
         if rec is None:
-            return self.expect_refusal(self._missing(key_id), daemon, idem.mark_unknown, *key_id)
+            missing = self._missing(key_id)
+            return self.expect_refusal(missing, daemon, idem.mark_unknown, *keyed(key_id))
         if rec.state == "completed":
             refusal = Refused(Conflict, operation=key_id[1], key=key_id[2])
-            return self.expect_refusal(refusal, daemon, idem.mark_unknown, *key_id)
-        record = self.write(daemon, idem.mark_unknown, *key_id)
+            return self.expect_refusal(refusal, daemon, idem.mark_unknown, *keyed(key_id))
+        record = self.write(daemon, idem.mark_unknown, *keyed(key_id))
         rec.state = "outcome_unknown"
         assert (record.state, record.effect_ref) == ("outcome_unknown", rec.effect_ref)
         return None
@@ -536,7 +556,9 @@ class StoreModel(RuleBasedStateMachine):
     def resolve(self, daemon: str, data: st.DataObject, outcome: str, result: Any) -> None:
         key_id = self.draw_key(data)
         rec = self.keys.get(key_id)
-        args = (*key_id, outcome, result)
+        principal, operation, key = key_id
+        params = IdemResolveParams(operation=operation, key=key, outcome=outcome, result=result)
+        args = (caller(principal), params)
         if rec is None:
             return self.expect_refusal(self._missing(key_id), daemon, idem.resolve, *args)
         if rec.state != "outcome_unknown":
@@ -620,7 +642,7 @@ class StoreModel(RuleBasedStateMachine):
             name=name,
             idempotency_key=key,
         )
-        call = (fleet.register_session, principal, params, holder)
+        call = (fleet.register_session, caller(principal, holder), params)
         key_id = (principal, "session.register", key or "")
         label = ("register", session_id, agent, parent, name)  # every other field is default
         try:
@@ -722,8 +744,8 @@ class StoreModel(RuleBasedStateMachine):
                 if holder_row is not None:
                     raise Refused(Conflict, agent_session_id=agent, session_id=holder_row)
         except Refused as refusal:
-            return self.expect_refusal(refusal, daemon, fleet.update_session, params)
-        answer = self.write(daemon, fleet.update_session, params)
+            return self.expect_refusal(refusal, daemon, fleet.update_session, caller(), params)
+        answer = self.write(daemon, fleet.update_session, caller(), params)
         row = rows[session_id]
         if top is not UNSET:
             if top is not None:
@@ -743,13 +765,14 @@ class StoreModel(RuleBasedStateMachine):
     def remove(self, daemon: str, data: st.DataObject) -> None:
         session_id = self.draw_session(data, daemon, "session_id")
         rows = self.fleet[daemon]
+        args = (caller(), SessionIdParams(session_id))
         if self.owner(session_id) not in (None, daemon):
             refusal = Refused(StaleEpoch, session_id=session_id)
-            return self.expect_refusal(refusal, daemon, fleet.remove_session, session_id)
+            return self.expect_refusal(refusal, daemon, fleet.remove_session, *args)
         if session_id not in rows:
             refusal = Refused(NotFound, session_id=session_id)
-            return self.expect_refusal(refusal, daemon, fleet.remove_session, session_id)
-        answer = self.write(daemon, fleet.remove_session, session_id)
+            return self.expect_refusal(refusal, daemon, fleet.remove_session, *args)
+        answer = self.write(daemon, fleet.remove_session, *args)
         assert (answer.session_id, answer.removed) == (session_id, True)
         del rows[session_id]
         for row in rows.values():
@@ -781,6 +804,7 @@ class StoreModel(RuleBasedStateMachine):
             entry(sid, agent_session_id=agent, parent=parent, name=name)
             for sid, agent, parent, name in given
         ]
+        args = (caller(), FleetWriteParams(sessions=entries, removed=removed))
         rows = self.fleet[daemon]
         removed_set = set(removed)
         # Rule 1: the last entry per session id, at the position of that last occurrence.
@@ -806,9 +830,9 @@ class StoreModel(RuleBasedStateMachine):
                 if sid not in latest and sid not in removed_set and row.agent in survivor:
                     raise Refused(Conflict, agent_session_id=row.agent, session_id=sid)
         except Refused as refusal:
-            self.expect_refusal(refusal, daemon, fleet.write_fleet, entries, removed)
+            self.expect_refusal(refusal, daemon, fleet.write_fleet, *args)
             return multiple()
-        answer = self.write(daemon, fleet.write_fleet, entries, removed)
+        answer = self.write(daemon, fleet.write_fleet, *args)
         # Rule 4: stored order minus removed and dropped, then new rows in given order.
         order = [sid for sid in rows if sid not in removed_set and sid not in replaced]
         order += [sid for sid in kept if sid not in rows]
@@ -840,10 +864,19 @@ class StoreModel(RuleBasedStateMachine):
         writer = B if owner == A else A
         self.store(writer)  # started first: the refusal names its epoch
         fn, args = {
-            "update": (fleet.update_session, (SessionUpdateParams(session_id, name=name),)),
-            "remove": (fleet.remove_session, (session_id,)),
-            "write": (fleet.write_fleet, ([entry(session_id, name=name)], [])),
-            "remove-via-write": (fleet.write_fleet, ([], [session_id])),
+            "update": (
+                fleet.update_session,
+                (caller(), SessionUpdateParams(session_id, name=name)),
+            ),
+            "remove": (fleet.remove_session, (caller(), SessionIdParams(session_id))),
+            "write": (
+                fleet.write_fleet,
+                (caller(), FleetWriteParams([entry(session_id, name=name)], [])),
+            ),
+            "remove-via-write": (
+                fleet.write_fleet,
+                (caller(), FleetWriteParams([], [session_id])),
+            ),
             "register": (fleet.insert_session, (register_params(session_id=session_id),)),
         }[how]
         refusal = Refused(
@@ -953,7 +986,9 @@ def _snapshot(tx: Tx, principals: list[str]) -> dict[str, Any]:
     conn = tx.conn
     return {
         "integrity": conn.execute("PRAGMA integrity_check").fetchall(),
-        "keys": {p: idem.list_keys(tx, p, None, None, 5000, None).keys for p in principals},
+        "keys": {
+            p: idem.list_keys(tx, caller(p), IdemListParams(limit=5000)).keys for p in principals
+        },
         "raw_keys": conn.execute(
             "SELECT principal, operation, key, daemon_id, holder_start FROM idempotency"
         ).fetchall(),
@@ -969,7 +1004,7 @@ def _snapshot(tx: Tx, principals: list[str]) -> dict[str, Any]:
 
 
 def _listed(tx: Tx) -> list[str]:
-    page = fleet.list_sessions(tx, 5000, None)
+    page = fleet.list_sessions(tx, caller(), FleetListParams(limit=5000))
     assert page.next_cursor is None
     assert {row.daemon_id for row in page.sessions} <= {tx.daemon_id}
     return [row.session_id for row in page.sessions]

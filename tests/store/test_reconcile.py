@@ -7,12 +7,20 @@ from typing import Any
 
 import pytest
 
-from store_helpers import execute, new_id, opened, query, register
+from store_helpers import caller, execute, new_id, opened, query, register
 from towerd.daemon.store import Store
 from towerd.daemon.store import idempotency as idem
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.reconcile import settle_dead_holders
-from towerd.protocol.methods import IdemClaimParams, IdemRecord, ReconcileReport
+from towerd.protocol.methods import (
+    IdemClaimParams,
+    IdemCompleteParams,
+    IdemKeyParams,
+    IdemListParams,
+    IdemRecord,
+    ReconcileReport,
+    WorkerRegisterParams,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -29,15 +37,23 @@ async def claim(
 ) -> str:
     result = await store.write(
         idem.claim,
-        ME,
+        caller(ME, holder),
         IdemClaimParams(operation=operation, key=key, effect_ref=effect_ref),
-        holder,
     )
     return result.effect_ref
 
 
+async def complete(store: Store, operation: str, key: str, result: Any) -> IdemRecord:
+    params = IdemCompleteParams(operation=operation, key=key, result=result)
+    return await store.write(idem.complete, caller(ME), params)
+
+
+async def mark_unknown(store: Store, operation: str, key: str) -> IdemRecord:
+    return await store.write(idem.mark_unknown, caller(ME), IdemKeyParams(operation, key))
+
+
 async def record(store: Store, operation: str, key: str) -> IdemRecord:
-    return await store.read(idem.get, ME, operation, key)
+    return await store.read(idem.get, caller(ME), IdemKeyParams(operation, key))
 
 
 def counts(report: ReconcileReport) -> dict[str, int]:
@@ -97,7 +113,7 @@ async def test_in_progress_keys_become_outcome_unknown(short_tmp: Path) -> None:
     async with opened(short_tmp) as store:
         ref = await claim(store, "tool.run", "k1")
         await claim(store, "tool.run", "k2")
-        await store.write(idem.complete, ME, "tool.run", "k2", "ok")
+        await complete(store, "tool.run", "k2", "ok")
     async with opened(short_tmp) as store:
         assert counts(store.reconciliation) == {
             "rows_taken": 0,
@@ -146,7 +162,7 @@ async def test_key_with_fleet_row_evidence_completes_with_its_session_id(
                 "target_identity": "ti",
             }
         replay = await store.write(
-            idem.claim, ME, IdemClaimParams(operation=operation, key="k"), None
+            idem.claim, caller(ME), IdemClaimParams(operation=operation, key="k")
         )
         assert (replay.state, replay.effect_ref, replay.result) == (
             "completed",
@@ -183,10 +199,10 @@ async def test_report_counts_are_exact_in_a_mixed_restart(short_tmp: Path) -> No
         await claim(store, "session.spawn", "none-1", effect_ref=new_id())
         await claim(store, "tool.run", "none-2")
         await claim(store, "tool.run", "older")
-        await store.write(idem.mark_unknown, ME, "tool.run", "older")
+        await mark_unknown(store, "tool.run", "older")
         for key in ("old-done-1", "old-done-2", "new-done"):
             await claim(store, "tool.run", key)
-            await store.write(idem.complete, ME, "tool.run", key, key)
+            await complete(store, "tool.run", key, key)
         await register(store, session_id=spawned)
         await register(store, session_id=registered)
     # Age two completed keys past the TTL while no daemon runs.
@@ -204,7 +220,7 @@ async def test_report_counts_are_exact_in_a_mixed_restart(short_tmp: Path) -> No
         }
         keys = {
             r.key: r.state
-            for r in (await store.read(idem.list_keys, ME, None, None, 50, None)).keys
+            for r in (await store.read(idem.list_keys, caller(ME), IdemListParams(limit=50))).keys
         }
         assert keys == {
             "ev-1": "completed",
@@ -294,8 +310,9 @@ async def test_a_live_workers_silence_clock_restarts_with_the_daemon(short_tmp: 
     from towerd.daemon.store import liveness, workers
 
     me = holder_of(os.getpid())
-    async with opened(short_tmp) as store:
-        result = await store.write(workers.register, "p", me, str(short_tmp), None, "host", 60_000)
+    async with opened(short_tmp, host="host", worker_ttl_ms=60_000) as store:
+        params = WorkerRegisterParams(project_root=str(short_tmp), version=None)
+        result = await store.write(workers.register, caller("p", me), params)
     worker_id = result.worker_id
     execute(short_tmp, "UPDATE workers SET heartbeat_at = 1000 WHERE worker_id = ?", (worker_id,))
     async with opened(short_tmp) as store:

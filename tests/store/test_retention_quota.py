@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from store_helpers import db_path, opened, query, register, state_dir
+from store_helpers import caller, db_path, opened, query, register, state_dir
 from towerd.daemon import maintenance
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import (
@@ -39,8 +39,19 @@ from towerd.daemon.store import (
 from towerd.daemon.store.tx import Tx, pack
 from towerd.protocol.errors import TowerdError
 from towerd.protocol.methods import (
+    EffectAbortParams,
     EffectClaimParams,
+    EffectCommitParams,
+    EffectFailParams,
+    EventRecordParams,
     IdemClaimParams,
+    IdemCompleteParams,
+    IdemKeyParams,
+    KvKeyParams,
+    KvSetParams,
+    LeaseAcquireParams,
+    LeaseTokenParams,
+    MessageAckParams,
     SessionMessageParams,
     SessionRegisterParams,
 )
@@ -62,6 +73,29 @@ def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(tx: Tx, *args: Any) -> Any:
         return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
 
+    return run
+
+
+def with_config(tx: Tx, **settings: Any) -> Tx:
+    """``tx`` with these of its settings replaced (``quota_rows``, ``kv_max_value``, ...)."""
+    return dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings))
+
+
+def call(
+    fn: Callable[..., Any],
+    principal: str,
+    params: Any,
+    holder: Holder | None = None,
+    **settings: Any,
+) -> Callable[[Tx], Any]:
+    """``fn(tx, caller, params)`` asked by ``principal`` from process ``holder``, on a Tx
+    with ``settings`` replaced: a store function of the RPC convention as one of the Tx
+    alone, for ``store.write``, ``at`` and ``refused``."""
+
+    def run(tx: Tx) -> Any:
+        return fn(with_config(tx, **settings), caller(principal, holder), params)
+
+    run.__name__ = fn.__name__
     return run
 
 
@@ -128,10 +162,8 @@ def effect(step: str, kind: str = "git-commit", target: str = "abc", **fields: A
 
 
 def record_event(agent_session_id: str, principal: str, quota_rows: int) -> Callable[[Tx], Any]:
-    def run(tx: Tx) -> Any:
-        return events.record(tx, "Stop", None, agent_session_id, None, 1024, principal, quota_rows)
-
-    return run
+    params = EventRecordParams(kind="Stop", agent_session_id=agent_session_id)
+    return call(events.record, principal, params, event_max_payload=1024, quota_rows=quota_rows)
 
 
 # --- auto_vacuum --------------------------------------------------------------------------
@@ -218,11 +250,13 @@ async def test_a_version_5_database_migrates_keeping_rows_and_counting_them(
             (A, "idempotency"): 2, (B, "idempotency"): 1, (A, "effects"): 1, (A, "leases"): 1,
         }  # fmt: skip
         # Old rows without a principal count for nobody, also when they go.
-        await store.write(kv.delete_value, "global", "", "old")
-        await store.write(kv.set_value, "global", "", "new", 1, 1024, A, 10)
+        await store.write(call(kv.delete_value, A, KvKeyParams("global", "old")))
+        new = KvSetParams("global", "new", 1)
+        await store.write(call(kv.set_value, A, new, kv_max_value=1024, quota_rows=10))
         assert await store.read(counted) == await store.read(recounted)
         # The lapsed v5 lease is taken over; its token record goes on from 7.
-        granted = await store.write(leases.acquire, B, LIVE, "T", 60_000, 10)
+        lease = LeaseAcquireParams("T", 60_000)
+        granted = await store.write(call(leases.acquire, B, lease, LIVE, quota_rows=10))
         assert granted.fencing_token == 8
     assert query(short_tmp, "PRAGMA user_version") == [(6,)]
     assert query(short_tmp, "PRAGMA auto_vacuum") == [(2,)]
@@ -242,7 +276,7 @@ async def test_each_table_refuses_past_the_quota_before_writing_and_spares_other
     quota_exceeded naming the table and the limit, before any row is written; a replay
     or an overwrite is not refused, and another principal is unaffected."""
     quota_rows = 3
-    async with opened(short_tmp, quota_rows=quota_rows) as store:
+    async with opened(short_tmp, quota_rows=quota_rows, kv_max_value=1024) as store:
         session = await register(store)
 
         def claim(key: str) -> IdemClaimParams:
@@ -251,15 +285,18 @@ async def test_each_table_refuses_past_the_quota_before_writing_and_spares_other
         def send(text: str, key: str | None = None) -> SessionMessageParams:
             return SessionMessageParams(session_id=session, text=text, idempotency_key=key)
 
+        def lease(resource: str) -> LeaseAcquireParams:
+            return LeaseAcquireParams(resource, 60_000)
+
         def acquire(principal: str, resource: str) -> Any:
-            return store.write(leases.acquire, principal, LIVE, resource, 60_000, quota_rows)
+            return store.write(call(leases.acquire, principal, lease(resource), LIVE))
 
         for n in range(quota_rows):
-            await store.write(idempotency.claim, A, claim(f"k{n}"), LIVE, quota_rows)
-            await store.write(kv.set_value, "global", "", f"v{n}", n, 1024, A, quota_rows)
-            await store.write(messages.send, A, send(f"m{n}"), LIVE, quota_rows)
+            await store.write(call(idempotency.claim, A, claim(f"k{n}"), LIVE))
+            await store.write(call(kv.set_value, A, KvSetParams("global", f"v{n}", n)))
+            await store.write(call(messages.send, A, send(f"m{n}"), LIVE))
             await store.write(record_event(f"as-{n}", A, quota_rows))
-            await store.write(effects.claim, A, LIVE, effect(f"s{n}"), "kxm/", quota_rows)
+            await store.write(call(effects.claim, A, effect(f"s{n}"), LIVE))
             await acquire(A, f"res-{n}")
         carol = "uid:0:carol"  # at her lease quota only
         for n in range(quota_rows):
@@ -268,30 +305,29 @@ async def test_each_table_refuses_past_the_quota_before_writing_and_spares_other
 
         refusals = {
             "idempotency": await refused(
-                store, idempotency.claim, A, claim("one-more"), LIVE, quota_rows
+                store, call(idempotency.claim, A, claim("one-more"), LIVE)
             ),
-            "kv": await refused(store, kv.set_value, "global", "", "vx", 0, 1024, A, quota_rows),
-            "messages": await refused(store, messages.send, A, send("mx"), LIVE, quota_rows),
+            "kv": await refused(store, call(kv.set_value, A, KvSetParams("global", "vx", 0))),
+            "messages": await refused(store, call(messages.send, A, send("mx"), LIVE)),
             "events": await refused(store, record_event("as-x", A, quota_rows)),
-            "effects": await refused(
-                store, effects.claim, A, LIVE, effect("sx"), "kxm/", quota_rows
-            ),
-            "leases": await refused(store, leases.acquire, A, LIVE, "res-x", 60_000, quota_rows),
+            "effects": await refused(store, call(effects.claim, A, effect("sx"), LIVE)),
+            "leases": await refused(store, call(leases.acquire, A, lease("res-x"), LIVE)),
         }
         # Keys made in one transaction with their row count too.
-        assert (await refused(store, messages.send, B, send("keyed", "k0"), LIVE, 0)).data == {
+        keyed = call(messages.send, B, send("keyed", "k0"), LIVE, quota_rows=0)
+        assert (await refused(store, keyed)).data == {
             "table": "idempotency",
             "limit": 0,
             "rows": 0,
             "principal": B,
         }
         register_keyed = SessionRegisterParams(cwd="/w", agent="claude", idempotency_key="r")
-        assert (
-            await refused(store, fleet.register_session, A, register_keyed, LIVE, quota_rows)
-        ).data["table"] == "idempotency"
+        assert (await refused(store, call(fleet.register_session, A, register_keyed, LIVE))).data[
+            "table"
+        ] == "idempotency"
         # A fenced effect needs a lease row: at the lease quota, it is refused whole.
         fenced = effect("pr", kind="pr-create", target="github.com/acme/app#pr")
-        error = await refused(store, effects.claim, carol, LIVE, fenced, "kxm/", quota_rows)
+        error = await refused(store, call(effects.claim, carol, fenced, LIVE))
         assert error.data["table"] == "leases"
         for table, error in refusals.items():
             assert error.data == {
@@ -302,26 +338,28 @@ async def test_each_table_refuses_past_the_quota_before_writing_and_spares_other
         assert await store.read(row_counts) == before
 
         # Replays and overwrites create no row: never refused.
-        await store.write(idempotency.complete, A, "op", "k0", {"done": True})
-        replay = await store.write(idempotency.claim, A, claim("k0"), LIVE, quota_rows)
+        done = IdemCompleteParams(operation="op", key="k0", result={"done": True})
+        await store.write(call(idempotency.complete, A, done))
+        replay = await store.write(call(idempotency.claim, A, claim("k0"), LIVE))
         assert replay.state == "completed"
-        await store.write(kv.set_value, "global", "", "v0", "again", 1024, A, quota_rows)
-        await store.write(kv.set_value, "global", "", "v1", "by bob", 1024, B, quota_rows)
+        await store.write(call(kv.set_value, A, KvSetParams("global", "v0", "again")))
+        await store.write(call(kv.set_value, B, KvSetParams("global", "v1", "by bob")))
         assert (await acquire(A, "res-0")).renewed is True
 
         # Another principal is unaffected.
-        await store.write(idempotency.claim, B, claim("one-more"), LIVE, quota_rows)
-        await store.write(kv.set_value, "global", "", "vx", 0, 1024, B, quota_rows)
-        await store.write(messages.send, B, send("mx"), LIVE, quota_rows)
+        await store.write(call(idempotency.claim, B, claim("one-more"), LIVE))
+        await store.write(call(kv.set_value, B, KvSetParams("global", "vx", 0)))
+        await store.write(call(messages.send, B, send("mx"), LIVE))
         await store.write(record_event("as-x", B, quota_rows))
-        await store.write(effects.claim, B, LIVE, effect("sx"), "kxm/", quota_rows)
+        await store.write(call(effects.claim, B, effect("sx"), LIVE))
         await acquire(B, "res-x")
 
         # Token records: acquired and released, the leases are gone, their records stay.
         for n in range(quota_rows - 1):
             granted = await acquire(B, f"tok-{n}")
-            await store.write(leases.release, B, LIVE, f"tok-{n}", granted.fencing_token)
-        error = await refused(store, leases.acquire, B, LIVE, "tok-x", 60_000, quota_rows)
+            token = LeaseTokenParams(f"tok-{n}", granted.fencing_token)
+            await store.write(call(leases.release, B, token, LIVE))
+        error = await refused(store, call(leases.acquire, B, lease("tok-x"), LIVE))
         assert error.data["table"] == "lease_tokens"
         await acquire(B, "tok-0")  # its record exists: no new one, not refused
         assert await store.read(counted) == await store.read(recounted)
@@ -334,25 +372,27 @@ async def test_the_counters_stay_exact_through_every_path_that_adds_or_removes_r
     lease taken over by another principal, a failed effect re-claimed by another, and
     retention, every (principal, table) counter equals count(*)."""
     quota_rows = 4
-    async with opened(short_tmp, quota_rows=quota_rows) as store:
+    async with opened(short_tmp, quota_rows=quota_rows, kv_max_value=1024) as store:
         session = await register(store)
         for principal in (A, B):
             for n in range(quota_rows + 1):  # the last one of each is refused
                 await fill_each_table(store, principal, n, session, quota_rows)
         assert await store.read(counted) == await store.read(recounted)
 
-        await store.write(idempotency.release, A, "op", "k0")
-        await store.write(idempotency.complete, B, "op", "k1", None)
+        await store.write(call(idempotency.release, A, IdemKeyParams("op", "k0")))
+        done = IdemCompleteParams(operation="op", key="k1", result=None)
+        await store.write(call(idempotency.complete, B, done))
         await store.write(at(2 * DAY, idempotency.expire_completed), DAY)
-        await store.write(kv.delete_value, "global", A, "v1")
+        await store.write(call(kv.delete_value, A, KvKeyParams("global", "v1", scope_id=A)))
         await store.write(leases.release_dead_holders, [DEAD])
         # A's lapsed lease taken by B: A's row goes, B's arrives.
-        await store.write(at(10_000, leases.acquire), B, LIVE, f"{A}-1", 60_000, quota_rows)
+        taken = LeaseAcquireParams(f"{A}-1", 60_000)
+        await store.write(at(10_000, call(leases.acquire, B, taken, LIVE)))
         # A failed effect re-claimed by B moves to B.
-        await store.write(effects.claim, A, LIVE, effect("s"), "kxm/", quota_rows)
-        await store.write(effects.fail, _key("s"), "a-1", None)
+        await store.write(call(effects.claim, A, effect("s"), LIVE))
+        await store.write(call(effects.fail, A, EffectFailParams(_key("s"), "a-1", None)))
         retry = msgspec.structs.replace(effect("s"), attempt_id="a-2")
-        await store.write(effects.claim, B, LIVE, retry, "kxm/", quota_rows)
+        await store.write(call(effects.claim, B, retry, LIVE))
         assert await store.read(counted) == await store.read(recounted)
         assert (await store.read(counted))[(B, "effects")] == 1
 
@@ -370,15 +410,17 @@ async def fill_each_table(
 ) -> None:
     """One more row of ``principal`` in each counted table (refused past the quota)."""
     message = SessionMessageParams(session_id=session, text=f"m{n}")
+    value = KvSetParams("global", f"v{n}", n, scope_id=principal)
+    lease = LeaseAcquireParams(f"{principal}-{n}", 5_000)
     writes = (
-        (idempotency.claim, principal, IdemClaimParams(operation="op", key=f"k{n}"), LIVE),
-        (kv.set_value, "global", principal, f"v{n}", n, 1024, principal),
-        (at(-40 * DAY if n % 2 else 0, messages.send), principal, message, LIVE),
-        (leases.acquire, principal, LIVE if n % 2 else DEAD, f"{principal}-{n}", 5_000),
+        call(idempotency.claim, principal, IdemClaimParams(operation="op", key=f"k{n}"), LIVE),
+        call(kv.set_value, principal, value, kv_max_value=1024),
+        at(-40 * DAY if n % 2 else 0, call(messages.send, principal, message, LIVE)),
+        call(leases.acquire, principal, lease, LIVE if n % 2 else DEAD),
     )
-    for fn, *args in writes:
+    for write in writes:
         try:
-            await store.write(fn, *args, quota_rows)
+            await store.write(write)
         except TowerdError as exc:
             assert exc.code == "quota_exceeded" and n == quota_rows, exc
     try:
@@ -403,21 +445,24 @@ async def test_a_pruned_token_record_never_lets_a_token_be_issued_again(short_tm
     async with opened(short_tmp) as store:
 
         async def acquire(resource: str, shift: int = 0) -> int:
-            granted = await store.write(at(shift, leases.acquire), A, LIVE, resource, 60_000)
+            lease = LeaseAcquireParams(resource, 60_000)
+            granted = await store.write(at(shift, call(leases.acquire, A, lease, LIVE)))
             return granted.fencing_token
 
+        async def release(resource: str, token: int) -> None:
+            await store.write(call(leases.release, A, LeaseTokenParams(resource, token), LIVE))
+
         first = await acquire("R")
-        await store.write(leases.release, A, LIVE, "R", first)
+        await release("R", first)
         second = await acquire("R")
         assert second == first + 1
-        await store.write(leases.release, A, LIVE, "R", second)
+        await release("R", second)
         for n in range(5):  # a busier resource raises the floor
-            await store.write(leases.release, A, LIVE, "Q", await acquire("Q"))
+            await release("Q", await acquire("Q"))
 
         target = "github.com/acme/app#pr"
-        claimed = await store.write(
-            effects.claim, A, LIVE, effect("pr", kind="pr-create", target=target), "kxm/"
-        )
+        pr = effect("pr", kind="pr-create", target=target)
+        claimed = await store.write(call(effects.claim, A, pr, LIVE))
         hours = 2 * 60 * 60 * 1000  # the effect's lease lapsed over an hour ago
         pruned = await store.write(at(hours, retention.prune_client_rows), 30 * DAY, 30 * DAY)
         assert pruned["leases"] == 1 and pruned["lease_tokens"] == 2  # R and Q, not the PR's
@@ -427,9 +472,8 @@ async def test_a_pruned_token_record_never_lets_a_token_be_issued_again(short_tm
         third = await acquire("R", hours)
         assert third > second and third == 6
         assert await acquire("never-seen", hours) == 6  # above the floor too
-        committed = await store.write(
-            at(hours, effects.commit), A, claimed.effect_key, "a-1", {"ok": True}
-        )
+        receipt = EffectCommitParams(claimed.effect_key, "a-1", {"ok": True})
+        committed = await store.write(at(hours, call(effects.commit, A, receipt)))
         assert committed.status == "committed"  # its fence held: not parked uncertain
 
 
@@ -445,26 +489,28 @@ async def test_retention_prunes_old_messages_and_settled_effects_only(short_tmp:
 
         async def send(text: str, shift: int) -> str:
             params = SessionMessageParams(session_id=session, text=text)
-            return (await store.write(at(shift, messages.send), A, params, LIVE)).message_id
+            return (await store.write(at(shift, call(messages.send, A, params, LIVE)))).message_id
 
         old_queued = await send("old queued", 0)
         old_read = await send("old read", 0)
-        await store.write(messages.ack, old_read, "read")
+        await store.write(call(messages.ack, A, MessageAckParams(old_read, "read")))
         young_queued = await send("young queued", 29 * DAY)
 
         async def claim(step: str, shift: int = 0, holder: Holder = LIVE) -> str:
             p = effect(step, kind="pr-create", target=f"github.com/acme/app#{step}")
-            return (await store.write(at(shift, effects.claim), A, holder, p, "kxm/")).effect_key
+            return (await store.write(at(shift, call(effects.claim, A, p, holder)))).effect_key
 
         committed = await claim("committed")
-        await store.write(effects.commit, A, committed, "a-1", {"ok": 1})
-        await store.write(effects.fail, await claim("failed"), "a-1", "boom")
-        await store.write(effects.abort, await claim("aborted"), "a-1", "not needed")
+        await store.write(call(effects.commit, A, EffectCommitParams(committed, "a-1", {"ok": 1})))
+        failed = EffectFailParams(await claim("failed"), "a-1", "boom")
+        await store.write(call(effects.fail, A, failed))
+        aborted = EffectAbortParams(await claim("aborted"), "a-1", "not needed")
+        await store.write(call(effects.abort, A, aborted))
         in_flight = await claim("in-flight")
         uncertain = await claim("uncertain", holder=DEAD)
         assert await store.write(effects.park_stale, [DEAD]) == [uncertain]
         young = await claim("young", 29 * DAY)
-        await store.write(at(29 * DAY, effects.commit), A, young, "a-1", None)
+        await store.write(at(29 * DAY, call(effects.commit, A, EffectCommitParams(young, "a-1"))))
 
         pruned = await store.write(at(31 * DAY, retention.prune_client_rows), 30 * DAY, 30 * DAY)
         assert pruned["messages"] == 2 and pruned["effects"] == 3
@@ -521,7 +567,8 @@ async def test_retention_returns_space_to_the_file_system(short_tmp: Path) -> No
 
     def record_blobs(tx: Tx, count: int) -> None:
         for _ in range(count):
-            events.record(tx, "PostToolUse", None, "as-big", payload, 65_536)
+            params = EventRecordParams("PostToolUse", agent_session_id="as-big", payload=payload)
+            events.record(with_config(tx, event_max_payload=65_536), caller(A), params)
 
     async with opened(short_tmp, event_retention_ms=1) as store:
         for _ in range(8):

@@ -1,0 +1,223 @@
+"""The daemon's options, each declared once: its field here carries its flag, metavar,
+type and help (supervisor-style field metadata), and ``parse_args`` builds the
+command line from these fields. The README's option table is checked against them
+(tests/test_readme.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from towerd.daemon.server import DEFAULT_MAX_CONNECTIONS_PER_PROCESS, Limits
+from towerd.daemon.store import StoreConfig
+from towerd.daemon.watch import DEFAULT_MAX_QUEUED_BYTES
+from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
+from towerd.protocol.methods import DEFAULT_EVENT_MAX_PAYLOAD, DEFAULT_KV_MAX_VALUE
+from towerd.protocol.naming import DEFAULT_PREFIX
+from towerd.protocol.paths import default_socket_path, default_state_dir
+
+DAY_MS = 86_400_000
+
+
+def option(
+    default: Any,
+    flag: str,
+    help: str,
+    metavar: str | None = None,
+    *,
+    env: str | None = None,
+    **argparse: Any,
+) -> Any:
+    """A field of DaemonConfig that is also a command-line option (``env``: a variable
+    that sets its default)."""
+    meta = {"flag": flag, "help": help, "metavar": metavar, "env": env, "argparse": argparse}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket_path: Path = option(
+        None, "--socket", "Unix socket path (default $TOWERD_SOCKET, else "
+        "$XDG_RUNTIME_DIR/towerd/towerd.sock, else $XDG_STATE_HOME/towerd/towerd.sock)",
+        "PATH", type=Path,
+    )  # fmt: skip
+    state_dir: Path = option(
+        None, "--state-dir", "state directory (default $TOWERD_STATE_DIR, else "
+        "$XDG_STATE_HOME/towerd)", "DIR", type=Path,
+    )  # fmt: skip
+    takeover: bool = option(
+        False, "--takeover", "ask the running daemon to stop, then start at the next epoch",
+        action="store_true",
+    )  # fmt: skip
+    takeover_timeout: float = option(
+        15.0, "--takeover-timeout", "how long --takeover waits for the old daemon (15)",
+        "SECONDS", type=float,
+    )  # fmt: skip
+    new_store: bool = option(
+        False, "--new-store", "start an empty store although the state dir shows a previous "
+        "one was lost (its database is missing or was replaced): every key it held is "
+        "forgotten", action="store_true",
+    )  # fmt: skip
+    max_frame: int = option(
+        DEFAULT_MAX_FRAME, "--max-frame", "the largest request, and the page size (1 MiB)",
+        "BYTES", type=int,
+    )  # fmt: skip
+    completed_ttl_seconds: float = option(
+        24 * 3600.0, "--completed-ttl", "how long completed idempotency keys are kept "
+        "(default 24 h)", "SECONDS", type=float,
+    )  # fmt: skip
+    expiry_interval: float = option(
+        600.0, "--expiry-interval", "how often expired completed keys are swept (default 600)",
+        "SECONDS", type=float,
+    )  # fmt: skip
+    checkpoint_interval: float = option(
+        30.0, "--checkpoint-interval", "how often a grown WAL is truncated when no reader is "
+        "in the way (default 30)", "SECONDS", type=float,
+    )  # fmt: skip
+    holder_check_interval: float = option(
+        1.0, "--holder-check-interval", "how often dead claimants are looked for (default 1)",
+        "SECONDS", type=float,
+    )  # fmt: skip
+    shutdown_grace: float = option(
+        10.0, "--shutdown-grace", "how long a stop waits for requests in flight (default 10)",
+        "SECONDS", type=float,
+    )  # fmt: skip
+    max_connections: int = option(
+        1024, "--max-connections", "connections beyond this are refused with `unavailable` "
+        "(default 1024)", "N", type=int,
+    )  # fmt: skip
+    max_connections_per_process: int = option(
+        DEFAULT_MAX_CONNECTIONS_PER_PROCESS, "--max-connections-per-process",
+        "one process's connections beyond this are refused with `unavailable` "
+        f"(default {DEFAULT_MAX_CONNECTIONS_PER_PROCESS})", "N", type=int,
+    )  # fmt: skip
+    hello_timeout: float = option(
+        10.0, "--hello-timeout", "a connection that has not said hello within this is closed "
+        "(default 10)", "SECONDS", type=float,
+    )  # fmt: skip
+    frame_timeout: float = option(
+        10.0, "--frame-timeout", "a started frame must be complete within this (default 10)",
+        "SECONDS", type=float,
+    )  # fmt: skip
+    send_timeout: float = option(
+        10.0, "--send-timeout", "a peer that does not read its replies this long is dropped",
+        "SECONDS", type=float,
+    )  # fmt: skip
+    branch_prefix: str = option(
+        DEFAULT_PREFIX, "--branch-prefix", "prefix of run branches: a push to the run's own "
+        f"branch needs no lease ({DEFAULT_PREFIX})", "PREFIX",
+    )  # fmt: skip
+    worker_ttl_seconds: float = option(
+        60.0, "--worker-ttl", "a worker whose last heartbeat is older is reaped as crashed "
+        "(default 60)", "SECONDS", type=float,
+    )  # fmt: skip
+    retention_days: float = option(
+        30.0, "--retention-days", "audit events, settled dispatches and ended workers older "
+        "are pruned (30)", "DAYS", type=float,
+    )  # fmt: skip
+    kv_max_value: int = option(
+        DEFAULT_KV_MAX_VALUE, "--kv-max-value", "largest soft-state value, msgpack-encoded "
+        "(default 65536)", "BYTES", type=int,
+    )  # fmt: skip
+    event_max_payload: int = option(
+        DEFAULT_EVENT_MAX_PAYLOAD, "--event-max-payload", "largest hook event payload, "
+        "msgpack-encoded (default 65536)", "BYTES", type=int,
+    )  # fmt: skip
+    event_retention_days: float = option(
+        30.0, "--event-retention-days", "hook events older are pruned (default 30)", "DAYS",
+        type=float,
+    )  # fmt: skip
+    events_per_session: int = option(
+        5000, "--events-per-session", "hook events kept per session, newest first "
+        "(default 5000)", "N", type=int,
+    )  # fmt: skip
+    events_per_principal: int = option(
+        100_000, "--events-per-principal", "hook events kept per principal, newest first "
+        "(default 100000)", "N", type=int,
+    )  # fmt: skip
+    message_retention_days: float = option(
+        30.0, "--message-retention-days", "messages sent longer ago are pruned, whatever "
+        "their status (default 30)", "DAYS", type=float,
+    )  # fmt: skip
+    effect_retention_days: float = option(
+        30.0, "--effect-retention-days", "committed, failed and aborted effects settled "
+        "longer ago are pruned; a claim of a pruned effect runs it again (default 30)",
+        "DAYS", type=float,
+    )  # fmt: skip
+    quota_rows: int = option(
+        1_000_000, "--quota", "rows one principal may have in each of the idempotency, kv, "
+        "messages, events, effects, leases and lease_tokens tables; past it, "
+        "quota_exceeded (default 1000000)", "ROWS", type=int,
+    )  # fmt: skip
+    watch_max_queue: int = option(
+        DEFAULT_MAX_QUEUED_BYTES, "--watch-max-queue", "a watcher this far behind is sent "
+        "too_slow and disconnected (default 1 MiB)", "BYTES", type=int,
+    )  # fmt: skip
+    log_level: str = option(
+        "info", "--log-level", "default $TOWERD_LOG_LEVEL, else info", env="TOWERD_LOG_LEVEL",
+        choices=["debug", "info", "warning", "error"],
+    )  # fmt: skip
+    log_format: str = option(
+        "auto", "--log-format", "JSON lines under systemd or when stderr is not a terminal",
+        choices=["auto", "json", "console"],
+    )  # fmt: skip
+
+    def store_config(self, state_dir: Path) -> StoreConfig:
+        """What the store needs of these settings (in its units: milliseconds)."""
+        return StoreConfig(
+            state_dir,
+            completed_ttl_ms=int(self.completed_ttl_seconds * 1000),
+            worker_ttl_ms=int(self.worker_ttl_seconds * 1000),
+            retention_ms=int(self.retention_days * DAY_MS),
+            event_retention_ms=int(self.event_retention_days * DAY_MS),
+            events_per_session=self.events_per_session,
+            events_per_principal=self.events_per_principal,
+            message_retention_ms=int(self.message_retention_days * DAY_MS),
+            effect_retention_ms=int(self.effect_retention_days * DAY_MS),
+            quota_rows=self.quota_rows,
+            new_store=self.new_store,
+            max_frame=self.max_frame,
+            branch_prefix=self.branch_prefix,
+            kv_max_value=self.kv_max_value,
+            event_max_payload=self.event_max_payload,
+        )
+
+    def limits(self) -> Limits:
+        """What one peer may cost the server."""
+        return Limits(
+            max_frame=self.max_frame,
+            max_connections=self.max_connections,
+            max_connections_per_process=self.max_connections_per_process,
+            hello_timeout=self.hello_timeout,
+            frame_timeout=self.frame_timeout,
+            send_timeout=self.send_timeout,
+        )
+
+
+def options() -> list[tuple[str, Any]]:
+    """(field name, field) of every option, in declaration order."""
+    return [(f.name, f) for f in fields(DaemonConfig) if "flag" in f.metadata]
+
+
+def parse_args(argv: list[str] | None) -> DaemonConfig:
+    parser = argparse.ArgumentParser(
+        prog="towerd", description="The towerd daemon: fleet state and idempotency keys."
+    )
+    for name, spec in options():
+        meta = spec.metadata
+        kwargs = dict(meta["argparse"])
+        if meta["metavar"] is not None:
+            kwargs["metavar"] = meta["metavar"]
+        default = os.environ.get(meta["env"]) if meta["env"] else None
+        parser.add_argument(
+            meta["flag"], dest=name, default=default or spec.default, help=meta["help"], **kwargs
+        )
+    parser.add_argument("--version", action="version", version=f"towerd {VERSION}")
+    given = vars(parser.parse_args(argv))
+    given["socket_path"] = given["socket_path"] or Path(default_socket_path())
+    given["state_dir"] = given["state_dir"] or Path(default_state_dir())
+    assert all(spec.default is not MISSING for _name, spec in options())
+    return DaemonConfig(**given)
