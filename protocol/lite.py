@@ -232,8 +232,8 @@ def _unpack_map(view: memoryview, at: int, count: int, depth: int) -> tuple[dict
     for _ in range(count):
         key, at = _unpack(view, at, depth + 1)
         value, at = _unpack(view, at, depth + 1)
-        if isinstance(key, list):
-            key = _frozen(key)
+        if isinstance(key, list | dict):
+            key = _frozen(key)  # a map as a key is refused, as msgspec refuses it
         mapping[key] = value
     return mapping, at
 

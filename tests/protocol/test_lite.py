@@ -36,6 +36,12 @@ def test_lite_and_msgspec_read_each_other(value):
     assert lite.unpackb(msgspec.msgpack.encode(value)) == value
 
 
+def test_a_map_as_a_map_key_is_refused():
+    """Found by the fuzzer below: {{}: 0} used to raise TypeError (unhashable dict)."""
+    with pytest.raises(lite.MsgpackError):
+        lite.unpackb(b"\x82\x00\x00\x80\x00")
+
+
 @given(st.binary(max_size=64))
 def test_garbage_is_refused_not_crashed(data):
     try:
