@@ -7,7 +7,8 @@ store hands each committed batch's notes to :meth:`ReadCache.apply` on the loop
 before any writer is answered. A read that missed while that batch was in
 flight read the state before it or after it (each read is its own short
 transaction), so whatever it cached is dropped by that same ``apply``. A note
-that names no single row (an adoption, an expiry sweep) clears the topic.
+that names no single row (an adoption, an expiry sweep) clears the topic. The
+notes are the Structs of protocol/changes.py, so nothing here guesses a shape.
 Nothing is ever installed from a
 note: what is cached was read from a committed snapshot.
 """
@@ -15,6 +16,14 @@ note: what is cached was read from a committed snapshot.
 from __future__ import annotations
 
 from typing import Any
+
+from towerd.protocol.changes import (
+    FleetAdopted,
+    FleetRemoved,
+    FleetUpserted,
+    IdemChanged,
+    IdemExpired,
+)
 
 MAX_ENTRIES = 50_000  # per topic; then the topic starts again empty
 
@@ -32,25 +41,14 @@ class ReadCache:
         return value
 
     def apply(self, changes: list[tuple[str, Any]]) -> None:
-        for topic, data in changes:
-            if topic == "fleet":
-                self._forget_session(data)
-            elif topic == "idem":
-                self._forget_key(data)
-
-    def _forget_session(self, data: Any) -> None:
-        session = data.get("session")
-        session_id = session.session_id if session is not None else data.get("session_id")
-        if session_id is None:
-            self.fleet.clear()  # an adoption: many rows changed owner
-        else:
-            self.fleet.pop(session_id, None)
-
-    def _forget_key(self, data: Any) -> None:
-        record = data.get("record")
-        operation = record.operation if record is not None else data.get("operation")
-        key = record.key if record is not None else data.get("key")
-        if operation is None or key is None:
-            self.idem.clear()  # an expiry sweep: many keys went
-        else:
-            self.idem.pop((data["principal"], operation, key), None)
+        for _topic, note in changes:
+            if isinstance(note, FleetUpserted):
+                self.fleet.pop(note.session.session_id, None)
+            elif isinstance(note, FleetRemoved):
+                self.fleet.pop(note.session_id, None)
+            elif isinstance(note, FleetAdopted):
+                self.fleet.clear()  # many rows changed owner
+            elif isinstance(note, IdemChanged):
+                self.idem.pop((note.principal, note.operation, note.key), None)
+            elif isinstance(note, IdemExpired):
+                self.idem.clear()  # many keys went

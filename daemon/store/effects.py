@@ -34,6 +34,7 @@ from towerd.daemon.store import leases, quota
 from towerd.daemon.store.idempotency import log_operator_action, payload_hash
 from towerd.daemon.store.tx import Caller, Refused, Tx, fitted, note, pack, unpack
 from towerd.protocol import naming
+from towerd.protocol.changes import EffectGone
 from towerd.protocol.errors import (
     EffectAlreadyCommitted,
     EffectAttemptSuperseded,
@@ -129,7 +130,7 @@ def _noted(tx: Tx, key: str) -> None:
     """Tell effects watchers the receipt as it now stands."""
     if tx.changes is not None:
         effect = _load(tx, key)
-        note(tx, "effects", effect.record if effect else {"effect_key": key})
+        note(tx, "effects", effect.record if effect else EffectGone(key))
 
 
 def _stale(effect: _Effect, now: int) -> bool:

@@ -17,6 +17,7 @@ from towerd.daemon.store.idempotency import log_operator_action, once_under_key
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
 from towerd.daemon.store.tx import Caller, Tx, note, take_page
+from towerd.protocol.changes import FleetAdopted, FleetRemoved, FleetUpserted, IdemChanged
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch
 from towerd.protocol.methods import (
     SESSION_FIELDS,
@@ -196,7 +197,7 @@ def insert_session(tx: Tx, params: SessionRegisterParams) -> str:
 def _noted(tx: Tx, session_id: str) -> None:
     """Tell fleet watchers the row as it now stands."""
     if tx.changes is not None:
-        note(tx, "fleet", {"op": "upsert", "session": get_session(tx, session_id)})
+        note(tx, "fleet", FleetUpserted(get_session(tx, session_id)))
 
 
 def _insert_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
@@ -289,7 +290,7 @@ def remove_session(tx: Tx, caller: Caller, params: SessionIdParams) -> SessionRe
             f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
         )
     tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
-    note(tx, "fleet", {"op": "remove", "session_id": session_id})
+    note(tx, "fleet", FleetRemoved(session_id))
     children = [
         row[0]
         for row in tx.conn.execute(
@@ -372,7 +373,7 @@ def replace_rows(
     deleted = [sid for sid in (*removed_set, *replaced) if sid in stored_ids]
     for sid in deleted:
         tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (sid,))
-        note(tx, "fleet", {"op": "remove", "session_id": sid})
+        note(tx, "fleet", FleetRemoved(sid))
     # Free every agent session id being rewritten before any row takes one.
     for sid in kept.keys() & stored_ids:
         tx.conn.execute("UPDATE sessions SET agent_session_id = NULL WHERE session_id = ?", (sid,))
@@ -445,7 +446,7 @@ def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptR
         "UPDATE sessions SET daemon_id = ?, owner_epoch = ?, updated_at = ? WHERE daemon_id = ?",
         (tx.daemon_id, tx.owner_epoch, tx.now, from_daemon_id),
     ).rowcount
-    note(tx, "fleet", {"op": "adopt", "daemon_id": from_daemon_id, "sessions": adopted})
+    note(tx, "fleet", FleetAdopted(from_daemon_id, adopted))
     # Its keys come along and are reconciled as at a start: whatever it had in
     # progress is unknown now, unless the effect left evidence.
     interrupted = tx.conn.execute(
@@ -455,8 +456,8 @@ def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptR
         (tx.now, from_daemon_id),
     ).fetchall()
     for _rowid, operation, effect_ref, key_principal, key in interrupted:
-        note(tx, "idem", {"principal": key_principal, "operation": operation, "key": key,
-                          "state": "outcome_unknown", "effect_ref": effect_ref})  # fmt: skip
+        note(tx, "idem", IdemChanged(key_principal, operation, key, "outcome_unknown",
+                                     effect_ref))  # fmt: skip
     interrupted = [(rowid, operation, ref) for rowid, operation, ref, _p, _k in interrupted]
     keys_adopted = tx.conn.execute(
         "UPDATE idempotency SET daemon_id = ? WHERE daemon_id = ?", (tx.daemon_id, from_daemon_id)

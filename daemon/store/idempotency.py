@@ -28,6 +28,7 @@ from towerd.daemon.store.tx import (
     take_page,
     unpack,
 )
+from towerd.protocol.changes import IdemChanged, IdemExpired, idem_changed
 from towerd.protocol.errors import (
     Conflict,
     IdempotencyConflict,
@@ -136,7 +137,7 @@ def _set_state(tx: Tx, principal: str, row: _Row, state: str, result: Any = None
     record = msgspec.structs.replace(
         row.record, state=state, result=unpack(packed), updated_at=tx.now
     )
-    note(tx, "idem", {"principal": principal, "record": record})
+    note(tx, "idem", idem_changed(principal, record))
     return record
 
 
@@ -240,8 +241,7 @@ def insert(
             tx.now,
         ),
     )
-    note(tx, "idem", {"principal": principal, "operation": operation, "key": key,
-                      "state": state, "effect_ref": effect_ref})  # fmt: skip
+    note(tx, "idem", IdemChanged(principal, operation, key, state, effect_ref))  # type: ignore[arg-type]
 
 
 def replay_or_refuse(
@@ -335,8 +335,7 @@ def _delete(tx: Tx, principal: str, operation: str, key: str) -> None:
         "DELETE FROM idempotency WHERE principal = ? AND operation = ? AND key = ?",
         (principal, operation, key),
     )
-    note(tx, "idem", {"principal": principal, "operation": operation, "key": key,
-                      "state": None})  # fmt: skip
+    note(tx, "idem", IdemChanged(principal, operation, key, None))
 
 
 def mark_unknown(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemRecord:
@@ -492,8 +491,7 @@ def mark_holders_dead(tx: Tx, holders: Iterable[Holder]) -> list[tuple[int, str,
             (tx.now, tx.daemon_id, holder.pid, holder.start),
         ).fetchall()
     for _rowid, principal, operation, key, effect_ref in moved:
-        note(tx, "idem", {"principal": principal, "operation": operation, "key": key,
-                          "state": "outcome_unknown", "effect_ref": effect_ref})  # fmt: skip
+        note(tx, "idem", IdemChanged(principal, operation, key, OUTCOME_UNKNOWN, effect_ref))
     return moved
 
 
@@ -504,5 +502,5 @@ def expire_completed(tx: Tx, ttl_ms: int) -> int:
         (tx.now - ttl_ms,),
     ).rowcount
     if expired:
-        note(tx, "idem", {"op": "expired", "count": expired})
+        note(tx, "idem", IdemExpired(expired))
     return expired

@@ -29,6 +29,7 @@ from towerd.daemon.store.idempotency import (
     mark_holders_dead,
 )
 from towerd.daemon.store.tx import Tx, note, pack
+from towerd.protocol.changes import IdemChanged
 from towerd.protocol.methods import ReconcileReport
 
 EvidenceProbe = Callable[[Tx, str], "dict[str, Any] | None"]
@@ -161,8 +162,7 @@ def settle(tx: Tx, keys: list[tuple[int, str, str]]) -> set[int]:
             "RETURNING principal, key",
             (COMPLETED, pack(result), tx.now, rowid),
         ).fetchone()
-        note(tx, "idem", {"principal": principal, "operation": operation, "key": key,
-                          "state": COMPLETED, "effect_ref": effect_ref})  # fmt: skip
+        note(tx, "idem", IdemChanged(principal, operation, key, COMPLETED, effect_ref))
         completed.add(rowid)
     return completed
 

@@ -42,6 +42,7 @@ from towerd.daemon.store import (
     schema,
 )
 from towerd.daemon.store.tx import PAGE_BYTES, Caller, Tx, now_ms, pack
+from towerd.protocol.changes import IdemChanged
 from towerd.protocol.errors import BadArgs, Conflict, IdempotencyConflict, NotFound
 from towerd.protocol.methods import (
     DEFAULT_EVENT_MAX_PAYLOAD,
@@ -616,7 +617,7 @@ async def test_session_end_marks_the_fleet_row_exited_and_session_start_undoes_i
         await record(store, "SessionEnd", agent_session_id="as-ended")
         assert (await store.read(fleet.get_session, ended)).exited
         assert [e.session_id for e in await plan(store)] == [kept]
-        assert [n for n in notes if n[0] == "fleet"][-1][1]["session"].exited
+        assert [n for n in notes if n[0] == "fleet"][-1][1].session.exited
         updated = (await store.read(fleet.get_session, ended)).updated_at
         await record(store, "SessionEnd", ended, now=now_ms() + 5000)
         assert (await store.read(fleet.get_session, ended)).updated_at == updated
@@ -902,9 +903,9 @@ async def test_a_dead_claimants_message_key_settles_without_a_restart(short_tmp:
         assert done.result == {"message_id": sent.message_id, "status": "queued"}
 
 
-def idem_state(data: dict[str, Any]) -> str | None:
-    """The key state an ``idem`` change note announces (either of its two shapes)."""
-    return data["record"].state if "record" in data else data["state"]
+def idem_state(data: IdemChanged) -> str | None:
+    """The key state an ``idem`` change note announces."""
+    return data.state
 
 
 async def test_idem_watchers_hear_a_dead_claimants_message_key_complete(

@@ -369,7 +369,7 @@ async def test_a_write_failing_after_changing_rows_reruns_the_batch_answered_fro
         assert isinstance(outcomes.pop("boom"), ValueError)
         stored = dict(query(short_tmp, "SELECT key, effect_ref FROM idempotency"))
         assert {key: result.effect_ref for key, result in outcomes.items()} == stored
-        assert sorted(data["key"] for topic, data in published if topic == "idem") == [
+        assert sorted(data.key for topic, data in published if topic == "idem") == [
             "k0",
             "k1",
             "k2",
