@@ -22,12 +22,13 @@ from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 
 from towerd.client.api import TowerdAPI
-from towerd.client.idempotent import RunEffect, idempotent_steps, retry_delay
+from towerd.client.idempotent import Call, Done, Outcome, idempotent_steps, next_step
+from towerd.client.retry import PATIENT, UNREACHABLE, RetryPolicy
 from towerd.client.sync import (
     DEFAULT_TIMEOUT,
     default_client_name,
@@ -38,11 +39,13 @@ from towerd.client.sync import (
 from towerd.client.trust import check_peer, check_socket_dir
 from towerd.protocol import DEFAULT_MAX_FRAME, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol.envelope import FRAME_ERROR_ID, decode_frame, encode_request
-from towerd.protocol.errors import Conflict, StorageFull, TowerdError, Unavailable
+from towerd.protocol.errors import Conflict, TowerdError, Unavailable
 from towerd.protocol.lite import is_push, response_parts
 from towerd.protocol.paths import default_socket_path
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Generator
+
     from towerd.client.effect import ClaimedEffect
 
 
@@ -94,9 +97,17 @@ class _Link(asyncio.Protocol):
 
 
 class AsyncClient(TowerdAPI):
-    def __init__(self, socket_path: Path, timeout: float | None) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        timeout: float | None,
+        client_name: str | None = None,
+        principal: str | None = None,
+    ) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
+        self.client_name = client_name or default_client_name()
+        self.principal = principal
         self.hello: dict[str, Any] = {}
         self._link = _Link(self)
         self._loop = asyncio.get_running_loop()
@@ -121,11 +132,11 @@ class AsyncClient(TowerdAPI):
         principal: str | None = None,
     ) -> AsyncIterator[AsyncClient]:
         path = Path(socket_path or default_socket_path())
-        client = cls(path, timeout)
+        client = cls(path, timeout, client_name, principal)
         deadline = None if timeout is None else client._loop.time() + timeout
         await client._connect_verified(deadline)
         try:
-            params = hello_params(client_name or default_client_name(), principal)
+            params = hello_params(client.client_name, principal)
             client.hello = await client._call("hello", params, _left(client._loop, deadline))
             client._decoder.max_frame = response_limit(client.hello)
             yield client
@@ -314,13 +325,21 @@ class AsyncClient(TowerdAPI):
     ) -> AbstractAsyncContextManager[ClaimedEffect]:
         """``async with client.effect(...) as fx:`` the async twin of ``Client.effect``;
         heartbeats run as a task on this connection."""
-        from towerd.client.effect import effect_async
+        from towerd.client.effect import EffectSpec, effect_async
 
-        return effect_async(
-            self, run_id, step_id, action_kind, target_ref,
-            payload=payload, attempt_id=attempt_id, heartbeat_interval=heartbeat_interval,
-            lease_ttl_ms=lease_ttl_ms, timeout_ms=timeout_ms,
-        )  # fmt: skip
+        return effect_async(self, EffectSpec(
+            run_id, step_id, action_kind, target_ref, payload, attempt_id, heartbeat_interval,
+            lease_ttl_ms, timeout_ms,
+        ))  # fmt: skip
+
+    def reopened(self) -> AbstractAsyncContextManager[AsyncClient]:
+        """A new connection like this one: same socket, timeout, name and principal."""
+        return AsyncClient.open(
+            self.socket_path,
+            timeout=self.timeout,
+            client_name=self.client_name,
+            principal=self.principal,
+        )
 
     async def iter_fleet(self, page_size: int | None = None) -> AsyncIterator[dict[str, Any]]:
         cursor = None
@@ -350,6 +369,102 @@ def _time_out(answer: asyncio.Future[Answer]) -> None:
         answer.set_result((None, _TIMED_OUT))
 
 
+class AsyncDriver:
+    """The async twin of :class:`~towerd.client.idempotent.SyncDriver`: carries out steps
+    on the ``client`` given until it is lost, then on connections of its own (made by
+    ``connect``, by default like the client given; closed with the driver): an
+    ``AsyncClient`` cannot reconnect in place."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy = PATIENT,
+        *,
+        client: AsyncClient | None = None,
+        connect: Callable[[], AbstractAsyncContextManager[AsyncClient]] | None = None,
+    ) -> None:
+        self.policy = policy
+        self._client = client
+        self._connect = connect or (client.reopened if client is not None else None)
+        self._own = AsyncExitStack()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._own.aclose()
+
+    async def connected(self) -> AsyncClient:
+        if self._client is not None and self._client._lost is not None:
+            await self._drop()
+        if self._client is None:
+            assert self._connect is not None, "a driver needs a client or a way to connect"
+            self._client = await self._own.enter_async_context(self._connect())
+        return self._client
+
+    async def _drop(self) -> None:
+        self._client = None
+        await self._own.aclose()  # ours only: a client given is its owner's to close
+
+    async def request(
+        self,
+        send: Callable[[AsyncClient], Awaitable[Any]],
+        retried: tuple[type[TowerdError], ...] = UNREACHABLE,
+        policy: RetryPolicy | None = None,
+    ) -> Any:
+        """``await send(client)``, sent again after a refusal in ``retried`` as the policy
+        allows; a connection that answered ``Unavailable`` is not used again."""
+        pauses = (policy or self.policy).pauses()
+        while True:
+            try:
+                return await send(await self.connected())
+            except TowerdError as exc:
+                if isinstance(exc, Unavailable):
+                    await self._drop()
+                pause = next(pauses, None) if isinstance(exc, retried) else None
+                if pause is None:
+                    raise
+                await anyio.sleep(pause)
+
+    async def send(self, call: Call, policy: RetryPolicy | None = None) -> Any:
+        return await self.request(
+            lambda client: client.call(call.method, call.params), call.retried, policy
+        )
+
+    async def advance(
+        self,
+        steps: Generator[Any, Any, Any],
+        value: Any = None,
+        error: BaseException | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+    ) -> Any:
+        """As ``SyncDriver.advance``: carry out calls until a hand-over or ``Done``."""
+        while isinstance(step := next_step(steps, value, error), Call):
+            value, error = await self._answer(step, policy)
+        return step
+
+    async def _answer(self, call: Call, policy: RetryPolicy | None) -> Outcome:
+        try:
+            return await self.send(call, policy), None
+        except call.retried:
+            raise  # the policy is spent
+        except TowerdError as exc:
+            return None, exc  # for the steps to handle
+
+    async def drive(
+        self, steps: Generator[Any, Any, Any], hand_over: Callable[[Any], Awaitable[Any]]
+    ) -> Any:
+        """Run ``steps`` to the end, answering each hand-over with ``await hand_over(step)``."""
+        step = await self.advance(steps)
+        while not isinstance(step, Done):
+            try:
+                value, error = await hand_over(step), None
+            except BaseException as exc:  # noqa: BLE001 - handed to the protocol
+                value, error = None, exc
+            step = await self.advance(steps, value, error)
+        return step.value
+
+
 async def run_once_async(
     operation: str,
     key: str,
@@ -358,53 +473,19 @@ async def run_once_async(
     payload: Any = None,
     socket_path: str | None = None,
     principal: str | None = None,
-    attempts: int = 20,
-    backoff: float = 0.1,
-    max_backoff: float = 2.0,
+    attempts: int | None = PATIENT.attempts,
+    backoff: float = PATIENT.backoff,
+    max_backoff: float = PATIENT.max_backoff,
     timeout: float | None = DEFAULT_TIMEOUT,
 ) -> Any:
     """The async twin of :func:`towerd.client.run_once`; ``effect`` may be sync or async."""
-    steps = idempotent_steps(operation, key, payload)
-    to_send: Any = None
-    to_throw: BaseException | None = None
-    failures = 0
-    async with AsyncExitStack() as connection:
-        client: AsyncClient | None = None
-        while True:
-            try:
-                step = steps.throw(to_throw) if to_throw else steps.send(to_send)
-            except StopIteration as finished:
-                return finished.value
-            to_send, to_throw = None, None
-            if isinstance(step, RunEffect):
-                try:
-                    to_send = effect(step.effect_ref)
-                    if inspect.isawaitable(to_send):
-                        to_send = await to_send
-                except BaseException as exc:  # noqa: BLE001 - handed to the protocol
-                    to_throw = exc
-                continue
-            try:
-                if client is None:
-                    client = await connection.enter_async_context(
-                        AsyncClient.open(socket_path, timeout=timeout, principal=principal)
-                    )
-                to_send = await client.call(step.method, step.params)
-                failures = 0
-            except Unavailable as exc:
-                client = None
-                await connection.aclose()
-                failures += 1
-                if failures >= attempts:
-                    raise
-                await anyio.sleep(retry_delay(failures, backoff, max_backoff))
-                to_throw = exc
-            except StorageFull as exc:
-                if step.method != "idem.claim":  # the outcome is sent again: wait first
-                    failures += 1
-                    if failures >= attempts:
-                        raise
-                    await anyio.sleep(retry_delay(failures, backoff, max_backoff))
-                to_throw = exc
-            except TowerdError as exc:
-                to_throw = exc
+
+    async def run(step: Any) -> Any:
+        result = effect(step.effect_ref)
+        return await result if inspect.isawaitable(result) else result
+
+    async with AsyncDriver(
+        RetryPolicy(attempts, backoff, max_backoff),
+        connect=lambda: AsyncClient.open(socket_path, timeout=timeout, principal=principal),
+    ) as driver:
+        return await driver.drive(idempotent_steps(operation, key, payload), run)

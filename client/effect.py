@@ -21,27 +21,35 @@
   on ``fx.lost`` as soon as it happens, for a body that wants to check);
 * the body raising :class:`~towerd.client.EffectNotStarted` aborts the effect (it did
   not happen; the next claim runs it afresh) and the exception propagates;
+* the commit or abort survives a lost connection or a daemon restart: it is sent
+  again, on a new connection, with backoff (:data:`~towerd.client.retry.PATIENT`),
+  by the blocking and the async client alike;
 * any other exception leaves the effect ``in_flight`` for recovery, since it may
   have happened: heartbeats stop, nothing is committed or aborted, the exception
   propagates. The daemon parks it ``uncertain`` once its ``timeout_ms`` passes
   without a heartbeat, or at once if this process dies; a person then settles it
   with ``towerctl effects resolve``.
 
-:class:`Heartbeat` is the small background helper: it calls a function every N
-seconds in a daemon thread until stopped (``towerctl effect run`` and
-``towerctl lock worktree`` use it too).
+The protocol is one generator, :func:`effect_steps`, carried out by the drivers that
+run ``run_once`` (:class:`~towerd.client.idempotent.SyncDriver`,
+``towerd.client.aio.AsyncDriver``); :class:`EffectSpec` names the effect for both
+contexts and ``towerctl effect run``. :class:`Heartbeat` is the small background
+helper: it calls a function every N seconds in a daemon thread until stopped
+(``towerctl effect run`` and ``towerctl lock worktree`` use it too).
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from towerd.client.idempotent import EffectNotStarted, retry_delay
+from towerd.client.api import _given
+from towerd.client.idempotent import Call, EffectNotStarted, SyncDriver
+from towerd.client.retry import ONCE, PATIENT, UNREACHABLE
 from towerd.protocol.errors import (
     EffectAlreadyCommitted,
     EffectAttemptSuperseded,
@@ -49,10 +57,11 @@ from towerd.protocol.errors import (
     EffectNotFound,
     EffectUncertain,
     TowerdError,
-    Unavailable,
 )
 
 if TYPE_CHECKING:
+    from types import TracebackType
+
     from towerd.client.aio import AsyncClient
     from towerd.client.sync import Client
 
@@ -68,13 +77,54 @@ LOST = (
     EffectNotFound,
 )
 
-# Delivering the outcome after the effect ran: reconnect and repeat on a lost
-# connection, as run_once does (a commit repeated is answered again).
-_ATTEMPTS, _BACKOFF, _MAX_BACKOFF = 20, 0.1, 2.0
-
 
 def new_attempt_id() -> str:
     return secrets.token_hex(8)
+
+
+@dataclass(frozen=True)
+class EffectSpec:
+    """One external effect as ``client.effect(...)`` and ``towerctl effect run`` name it:
+    what it does (run, step, kind, target: its key), its payload, the attempt (minted
+    when not given) and how it is kept alive (heartbeat every ``heartbeat_interval``
+    seconds, ``None`` or 0 for none; the lease's TTL; the silence after which the
+    daemon parks it)."""
+
+    run_id: str
+    step_id: str
+    action_kind: str
+    target_ref: str
+    payload: Any = None
+    attempt_id: str | None = None
+    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL
+    lease_ttl_ms: int | None = None
+    timeout_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attempt_id is None:
+            object.__setattr__(self, "attempt_id", new_attempt_id())
+
+    def claim_params(self) -> dict[str, Any]:
+        return _given(
+            run_id=self.run_id,
+            step_id=self.step_id,
+            attempt_id=self.attempt_id,
+            action_kind=self.action_kind,
+            target_ref=self.target_ref,
+            payload=self.payload,
+            timeout_ms=self.timeout_ms,
+            lease_ttl_ms=self.lease_ttl_ms,
+        )
+
+
+class EffectFailed(Exception):
+    """Thrown into an effect's steps: it ran and did not succeed (``towerctl effect run``'s
+    non-zero exit). It is recorded ``failed`` with ``error``; the next attempt runs it
+    afresh."""
+
+    def __init__(self, error: Any) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class ClaimedEffect:
@@ -86,12 +136,12 @@ class ClaimedEffect:
     receipt after the commit or abort.
     """
 
-    def __init__(self, run_id: str, step_id: str, action_kind: str, target_ref: str,
-                 claim: dict[str, Any]) -> None:  # fmt: skip
-        self.run_id = run_id
-        self.step_id = step_id
-        self.action_kind = action_kind
-        self.target_ref = target_ref
+    def __init__(self, spec: EffectSpec, claim: dict[str, Any]) -> None:
+        self.spec = spec
+        self.run_id = spec.run_id
+        self.step_id = spec.step_id
+        self.action_kind = spec.action_kind
+        self.target_ref = spec.target_ref
         self.effect_key: str = claim["effect_key"]
         self.attempt_id: str = claim["attempt_id"]
         self.lease_resource: str | None = claim.get("lease_resource")
@@ -112,6 +162,71 @@ class ClaimedEffect:
     def _beaten(self, record: dict[str, Any]) -> None:
         self.heartbeats += 1
         self.heartbeat_at = record.get("heartbeat_at")
+
+
+# --- the protocol, as steps -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunBody:
+    """The effect is claimed: run the body (heartbeating it), then hand back the receipt
+    to commit, or throw what the body raised."""
+
+    effect: ClaimedEffect
+
+
+def effect_steps(spec: EffectSpec) -> Generator[Call | RunBody, Any, ClaimedEffect]:
+    """claim -> body -> commit, as steps for a driver (``SyncDriver``, ``AsyncDriver``),
+    like :func:`~towerd.client.idempotent.idempotent_steps`.
+
+    Thrown at ``RunBody``: ``EffectNotStarted`` aborts the effect and ``EffectFailed``
+    records it failed, each raised again once recorded; anything else may have touched
+    the world, so the effect stays in flight for recovery and the exception propagates.
+    A heartbeat that found the effect lost (``effect.lost``) is raised instead of
+    committing or failing. After a lost connection the outcome is sent again, as the
+    driver's policy allows (a repeated commit is answered again; a repeated abort or
+    fail is recognised from the record).
+    """
+    claim = yield Call("effect.claim", spec.claim_params(), UNREACHABLE)
+    effect = ClaimedEffect(spec, claim)
+    attempt = {"effect_key": effect.effect_key, "attempt_id": effect.attempt_id}
+    try:
+        receipt = yield RunBody(effect)
+    except EffectNotStarted as exc:
+        reason = {"reason": _reason(exc)}
+        abort = Call("effect.abort", {**attempt, **reason}, UNREACHABLE)
+        effect.record = yield from _settled(abort, "aborted", reason)
+        raise
+    except EffectFailed as exc:
+        if effect.lost is not None:
+            raise effect.lost from None
+        error = {"error": exc.error}
+        effect.record = yield from _settled(
+            Call("effect.fail", {**attempt, **error}, UNREACHABLE), "failed", error
+        )
+        raise
+    if effect.lost is not None:
+        raise effect.lost
+    effect.record = yield Call("effect.commit", {**attempt, "receipt": receipt}, UNREACHABLE)
+    return effect
+
+
+def _settled(call: Call, status: str, receipt: Any) -> Generator[Call, Any, Any]:
+    """Send an abort or a fail. The daemon refuses either once the effect is settled, so
+    a repeat of ours whose first answer was lost is refused too: that refusal is no
+    error when the record shows our attempt settled as we asked."""
+    try:
+        return (yield call)
+    except EffectAttemptSuperseded:
+        record = yield Call("effect.get", {"effect_key": call.params["effect_key"]})
+        ours = record["attempt_id"] == call.params["attempt_id"]
+        if ours and record["status"] == status and record["receipt"] == receipt:
+            return record
+        raise
+
+
+def _reason(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__)[:4096]
 
 
 # --- the background heartbeat ----------------------------------------------------------
@@ -176,90 +291,64 @@ class EffectBeat:
     (opened at the first beat, reopened after a lost connection). Returns False, after
     recording the error on ``effect.lost``, once the attempt has lost the effect."""
 
-    def __init__(
-        self, connect: Callable[[], Client], effect: ClaimedEffect, lease_ttl_ms: int | None
-    ) -> None:
-        self._connect = connect
-        self._client: Client | None = None
+    def __init__(self, connect: Callable[[], Client], effect: ClaimedEffect) -> None:
+        self._driver = SyncDriver(ONCE, connect=connect)
         self.effect = effect
-        self.lease_ttl_ms = lease_ttl_ms
 
     def __call__(self) -> bool:
         try:
-            if self._client is None:
-                self._client = self._connect()
-            record = self._client.effect_heartbeat(
-                self.effect.effect_key, self.effect.attempt_id, lease_ttl_ms=self.lease_ttl_ms
-            )
-        except Unavailable:
-            self.close()
-            return True  # the daemon may be restarting: try again at the next beat
-        except LOST as exc:
-            self.effect.lost = exc
-            return False
-        except TowerdError:
-            return True  # storage_full, internal: nothing changed, try again
+            record = self._driver.send(heartbeat_call(self.effect))
+        except TowerdError as exc:
+            return keep_beating(self.effect, exc)
         self.effect._beaten(record)
         return True
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._driver.close()
+
+
+def heartbeat_call(effect: ClaimedEffect) -> Call:
+    """A beat missed is not sent again: the next one is, ``heartbeat_interval`` later."""
+    params = _given(
+        effect_key=effect.effect_key,
+        attempt_id=effect.attempt_id,
+        lease_ttl_ms=effect.spec.lease_ttl_ms,
+    )
+    return Call("effect.heartbeat", params)
+
+
+def keep_beating(effect: ClaimedEffect, refusal: TowerdError) -> bool:
+    """After a refused heartbeat: False once the attempt lost the effect (kept on
+    ``effect.lost``); else the next beat tries again (the daemon may be restarting, its
+    disk full for a moment)."""
+    if isinstance(refusal, LOST):
+        effect.lost = refusal
+        return False
+    return True
+
+
+def beat_in_background(effect: ClaimedEffect, connect: Callable[[], Client]) -> Heartbeat | None:
+    """Heartbeat ``effect`` from a thread, on a connection ``connect`` makes (a blocking
+    client is not thread-safe); None when its spec asks for no heartbeat."""
+    interval = effect.spec.heartbeat_interval
+    if not interval:
+        return None
+    beat = EffectBeat(connect, effect)
+    name = f"towerd-heartbeat-{effect.effect_key}"
+    return Heartbeat(beat, interval, name=name, on_stop=beat.close).start()
 
 
 # --- the blocking context manager ------------------------------------------------------
 
 
-def deliver(client: Client, method: str, *args: Any, settled: str | None = None) -> Any:
-    """``client.METHOD(*args)``, reconnecting and repeating on a lost connection.
-
-    ``settled``: for abort and fail, which the daemon refuses when repeated
-    (the attempt no longer owns an effect it already settled), the status that
-    says our own earlier call went through.
-    """
-    failures = 0
-    while True:
-        try:
-            if client._sock is None:
-                client.connect()
-            return getattr(client, method)(*args)
-        except Unavailable:
-            failures += 1
-            if failures >= _ATTEMPTS:
-                raise
-            time.sleep(retry_delay(failures, _BACKOFF, _MAX_BACKOFF))
-        except EffectAttemptSuperseded:
-            if failures and settled is not None:
-                record = client.effect_get(args[0])
-                if record["status"] == settled and record["attempt_id"] == args[1]:
-                    return record
-            raise
-
-
 class EffectContext:
     """``with client.effect(...) as fx``: see the module documentation."""
 
-    def __init__(
-        self,
-        client: Client,
-        run_id: str,
-        step_id: str,
-        action_kind: str,
-        target_ref: str,
-        *,
-        payload: Any = None,
-        attempt_id: str | None = None,
-        heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
-        lease_ttl_ms: int | None = None,
-        timeout_ms: int | None = None,
-    ) -> None:
+    def __init__(self, client: Client, spec: EffectSpec) -> None:
+        self.spec = spec
         self._client = client
-        self._claim = (run_id, step_id, attempt_id or new_attempt_id(), action_kind, target_ref)
-        self._payload = payload
-        self._interval = heartbeat_interval
-        self._lease_ttl_ms = lease_ttl_ms
-        self._timeout_ms = timeout_ms
+        self._steps = effect_steps(spec)
+        self._driver = SyncDriver(PATIENT, client=client)
         self._heartbeat: Heartbeat | None = None
         self.effect: ClaimedEffect | None = None
 
@@ -275,105 +364,71 @@ class EffectContext:
         )
 
     def __enter__(self) -> ClaimedEffect:
-        run_id, step_id, attempt_id, action_kind, target_ref = self._claim
-        claim = self._client.effect_claim(
-            run_id, step_id, attempt_id, action_kind, target_ref,
-            payload=self._payload, timeout_ms=self._timeout_ms, lease_ttl_ms=self._lease_ttl_ms,
-        )  # fmt: skip
-        effect = self.effect = ClaimedEffect(run_id, step_id, action_kind, target_ref, claim)
-        if self._interval:
-            beat = EffectBeat(self._own_connection, effect, self._lease_ttl_ms)
-            self._heartbeat = Heartbeat(
-                beat, self._interval, name=f"towerd-heartbeat-{effect.effect_key}",
-                on_stop=beat.close,
-            ).start()  # fmt: skip
-        return effect
+        body = self._driver.advance(self._steps, policy=ONCE)
+        self.effect = body.effect
+        self._heartbeat = beat_in_background(body.effect, self._own_connection)
+        return body.effect
 
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        effect = self.effect
-        assert effect is not None
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self.effect is not None
         if self._heartbeat is not None:
             self._heartbeat.stop()
-        key, attempt = effect.effect_key, effect.attempt_id
-        if exc is None:
-            if effect.lost is not None:
-                raise effect.lost
-            effect.record = deliver(self._client, "effect_commit", key, attempt, effect.receipt)
-        elif isinstance(exc, EffectNotStarted):
-            effect.record = deliver(
-                self._client, "effect_abort", key, attempt, _reason(exc), settled="aborted"
-            )
-        # Anything else may have touched the world: the effect stays in flight for
-        # recovery, and the exception propagates.
-
-
-def _reason(exc: BaseException) -> str:
-    return (str(exc) or type(exc).__name__)[:4096]
+        try:
+            self._driver.advance(self._steps, self.effect.receipt, exc)
+        except BaseException as raised:
+            if raised is not exc:
+                raise
+            # The body's own exception, handed back once the protocol saw it: the with
+            # statement raises it.
 
 
 # --- the async twin ---------------------------------------------------------------------
 
 
-async def _beat_async(
-    client: AsyncClient, effect: ClaimedEffect, interval: float, lease_ttl_ms: int | None
-) -> None:
+async def _beat_async(client: AsyncClient, effect: ClaimedEffect, interval: float) -> None:
+    """Heartbeats as a task on the client's own (pipelined) connection; a lost one is
+    not reopened here (the commit at exit reconnects)."""
     import anyio
 
+    call = heartbeat_call(effect)
     while True:
         await anyio.sleep(interval)
         try:
-            record = await client.effect_heartbeat(
-                effect.effect_key, effect.attempt_id, lease_ttl_ms=lease_ttl_ms
-            )
-        except LOST as exc:
-            effect.lost = exc
-            return
-        except TowerdError:
-            continue  # the commit at exit reports a lost connection itself
-        effect._beaten(record)
+            record = await client.call(call.method, call.params)
+        except TowerdError as exc:
+            if not keep_beating(effect, exc):
+                return
+        else:
+            effect._beaten(record)
 
 
 @asynccontextmanager
-async def effect_async(
-    client: AsyncClient,
-    run_id: str,
-    step_id: str,
-    action_kind: str,
-    target_ref: str,
-    *,
-    payload: Any = None,
-    attempt_id: str | None = None,
-    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL,
-    lease_ttl_ms: int | None = None,
-    timeout_ms: int | None = None,
-) -> AsyncIterator[ClaimedEffect]:
-    """``async with client.effect(...) as fx``: the same protocol, heartbeats as a task
-    on the client's own (pipelined) connection."""
+async def effect_async(client: AsyncClient, spec: EffectSpec) -> AsyncIterator[ClaimedEffect]:
+    """``async with client.effect(...) as fx``: the same steps on the async driver,
+    heartbeats as a task."""
     import anyio
 
-    claim = await client.effect_claim(
-        run_id, step_id, attempt_id or new_attempt_id(), action_kind, target_ref,
-        payload=payload, timeout_ms=timeout_ms, lease_ttl_ms=lease_ttl_ms,
-    )  # fmt: skip
-    effect = ClaimedEffect(run_id, step_id, action_kind, target_ref, claim)
-    failure: BaseException | None = None
-    async with anyio.create_task_group() as tasks:
-        if heartbeat_interval:
-            tasks.start_soon(_beat_async, client, effect, heartbeat_interval, lease_ttl_ms)
-        try:
-            yield effect
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, unwrapped
-            failure = exc
-        finally:
-            tasks.cancel_scope.cancel()
-    key, attempt = effect.effect_key, effect.attempt_id
-    if failure is None:
-        if effect.lost is not None:
-            raise effect.lost
-        effect.record = await client.effect_commit(key, attempt, effect.receipt)
-        return
-    if isinstance(failure, EffectNotStarted):
-        effect.record = await client.effect_abort(key, attempt, _reason(failure))
-    # Raised outside the task group, so callers catch the error itself, not an
-    # ExceptionGroup around it (as AsyncClient.open does).
-    raise failure
+    from towerd.client.aio import AsyncDriver
+
+    steps = effect_steps(spec)
+    async with AsyncDriver(PATIENT, client=client) as driver:
+        body = await driver.advance(steps, policy=ONCE)
+        effect: ClaimedEffect = body.effect
+        failure: BaseException | None = None
+        async with anyio.create_task_group() as tasks:
+            if spec.heartbeat_interval:
+                tasks.start_soon(_beat_async, client, effect, spec.heartbeat_interval)
+            try:
+                yield effect
+            except BaseException as exc:  # noqa: BLE001 - handed to the steps below
+                failure = exc
+            finally:
+                tasks.cancel_scope.cancel()
+        # Outside the task group, so callers catch the error itself, not an
+        # ExceptionGroup around it (as AsyncClient.open does).
+        await driver.advance(steps, effect.receipt, failure)

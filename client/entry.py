@@ -1,6 +1,7 @@
 """``towerctl``'s entry point. Every agent hook runs ``towerctl hook-report``, so that
-command is recognised here and run without loading the CLI module (argparse and the
-command table cost about 3 ms a hook); everything else goes to ``towerd.client.cli``.
+command is recognised here and run without loading the CLI (argparse and the command
+declarations cost about 3 ms a hook); everything else goes to the parser of
+``towerd.client.cli.app``. This is the one place that shortcut is taken.
 
 :func:`scan` is towerctl's one reader of the command line short of argparse: this module
 uses it to spot ``hook-report``, the CLI to build only the parser of the command named
@@ -60,14 +61,15 @@ def hook_report_socket(argv: list[str]) -> tuple[bool, str | None]:
     return is_hook, given.get("--socket") if is_hook else None
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def main(argv: list[str] | None = None) -> None:
+    """Run towerctl on ``argv`` (default: the process's arguments) and exit."""
+    argv = sys.argv[1:] if argv is None else argv
     is_hook, socket_path = hook_report_socket(argv)
     if is_hook:
         # Silent and exit 0 whatever follows on the command line: it runs inside agents.
         from towerd.client.hook_report import report
 
         sys.exit(report(socket_path=socket_path))
-    from towerd.client.cli import main as cli_main
+    from towerd.client.cli.app import parse_and_run
 
-    cli_main(argv)
+    parse_and_run(argv)

@@ -35,12 +35,15 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from towerd.client.idempotent import retry_delay
+from towerd.client.cli.output import UsageError, dumps_json, say
+from towerd.client.cli.output import is_utf8 as _is_utf8
+from towerd.client.cli.output import json_arg as _json_arg
+from towerd.client.idempotent import EffectNotStarted, SyncDriver
+from towerd.client.retry import FAIL_FAST, PATIENT, RetryPolicy
 from towerd.client.sync import Client
 from towerd.protocol.errors import (
     Conflict,
@@ -52,7 +55,6 @@ from towerd.protocol.errors import (
     IdempotencyKeyUnknown,
     OutcomeUnknown,
     TowerdError,
-    Unavailable,
 )
 
 if TYPE_CHECKING:
@@ -62,10 +64,6 @@ EXIT_UNKNOWN = 120  # the outcome is unknown or uncertain: a person must decide,
 EXIT_BUSY = 121  # in progress, in flight or held elsewhere: retry later, CMD not run
 EXIT_NOT_EXECUTABLE = 126  # CMD could not be executed: nothing ran, the key is released
 EXIT_NOT_FOUND = 127  # CMD was not found: nothing ran, the key is released
-
-_CLAIM_ATTEMPTS = 3  # before CMD runs: fail fast when there is no daemon
-_AFTER_ATTEMPTS = 20  # after CMD ran: its outcome must be recorded (about 30 s of retries)
-_BACKOFF, _MAX_BACKOFF = 0.1, 2.0
 
 
 # --- running CMD ----------------------------------------------------------------------------
@@ -265,11 +263,17 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class Connection:
-    """towerctl's connection, reopened after a lost connection where a retry is safe."""
+    """towerctl's connection, reopened after a lost connection where a retry is safe.
+
+    A call fails fast by default (:data:`~towerd.client.retry.FAIL_FAST`: before CMD
+    runs, no daemon should not keep a hook waiting); once CMD ran, its outcome is sent
+    with ``policy=PATIENT``. ``driver`` carries out an effect's steps on the same
+    connection.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.client: Client | None = None
+        self.driver = SyncDriver(PATIENT, connect=self.new_client)
 
     def new_client(self, role: str = "") -> Client:
         return Client(
@@ -280,41 +284,27 @@ class Connection:
         )
 
     def open(self) -> Client:
-        if self.client is None:
-            self.client = self.new_client()
-        return self.client
+        return self.driver.connected()
 
-    def call(self, method: str, *args: Any, attempts: int = _CLAIM_ATTEMPTS, **kwargs: Any) -> Any:
-        failures = 0
-        while True:
-            try:
-                return getattr(self.open(), method)(*args, **kwargs)
-            except Unavailable:
-                self.close()
-                failures += 1
-                if failures >= attempts:
-                    raise
-                time.sleep(retry_delay(failures, _BACKOFF, _MAX_BACKOFF))
+    def call(self, method: str, *args: Any, policy: RetryPolicy = FAIL_FAST, **kwargs: Any) -> Any:
+        """``client.METHOD(*args, **kwargs)``, sent again after a lost connection."""
+        return self.driver.request(
+            lambda client: getattr(client, method)(*args, **kwargs), policy=policy
+        )
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
-            self.client = None
+        self.driver.close()
 
 
 # --- output ---------------------------------------------------------------------------------
 
 
 def _dumps(value: Any, **kwargs: Any) -> str:
-    from towerd.client.cli import dumps_json
-
     return dumps_json(value, **kwargs)
 
 
 def _say(text: str) -> None:
     """A line for the person, on stderr (stdout is CMD's), safe for a terminal."""
-    from towerd.client.cli import say
-
     say(f"towerctl: {text}", to_stderr=True)
 
 
@@ -359,8 +349,6 @@ def command_payload(argv: list[str]) -> list[str | bytes]:
     (msgpack bin) when it is not UTF-8. Python hands undecodable argv bytes over as lone
     surrogates, which no wire string can carry; as bytes, the same argv always hashes
     the same and a different one never does."""
-    from towerd.client.cli import _is_utf8
-
     return [arg if _is_utf8(arg) else os.fsencode(arg) for arg in argv]
 
 
@@ -370,8 +358,6 @@ def shown(arg: str) -> str:
 
 
 def command_argv(args: argparse.Namespace, command: str) -> list[str]:
-    from towerd.client.cli import UsageError
-
     argv = list(args.argv)
     if argv[:1] == ["--"]:
         argv = argv[1:]
@@ -443,8 +429,6 @@ def _reopen_failed_run(
 
 def shell_run(args: argparse.Namespace) -> int:
     """``towerctl run --key KEY [--operation OP] -- CMD ...``."""
-    from towerd.client.cli import UsageError
-
     argv = command_argv(args, "run")
     if not args.key:
         raise UsageError("run: give --key KEY (the name of what CMD does, the same on a retry)")
@@ -481,12 +465,12 @@ def shell_run(args: argparse.Namespace) -> int:
     try:
         child = Child(argv, capture=True, stdout_fd=2 if args.json else 1)
     except OSError as exc:
-        conn.call("idem_release", operation, key, attempts=_AFTER_ATTEMPTS)
+        conn.call("idem_release", operation, key, policy=PATIENT)
         return not_started(args, argv, exc, "the key is released")
     outcome = child.wait()
     result = outcome.result()
     try:
-        conn.call("idem_complete", operation, key, result, attempts=_AFTER_ATTEMPTS)
+        conn.call("idem_complete", operation, key, result, policy=PATIENT)
     except TowerdError as exc:
         return error_out(
             args,
@@ -515,14 +499,12 @@ def _resolve_hint(key: str) -> str:
 
 def effect_run(args: argparse.Namespace) -> int:
     """``towerctl effect run --run-id R --step S --kind K --target T -- CMD ...``."""
-    from towerd.client.cli import UsageError, _json_arg
     from towerd.client.effect import (
         LOST,
-        ClaimedEffect,
-        EffectBeat,
-        Heartbeat,
-        deliver,
-        new_attempt_id,
+        EffectFailed,
+        EffectSpec,
+        beat_in_background,
+        effect_steps,
     )
 
     argv = command_argv(args, "effect run")
@@ -541,13 +523,14 @@ def effect_run(args: argparse.Namespace) -> int:
     if not args.heartbeat > 0:
         raise UsageError("effect run: --heartbeat must be a positive number of seconds")
     payload = _json_arg(args.payload, "--payload")
-    attempt = args.attempt or new_attempt_id()
+    spec = EffectSpec(
+        args.run_id, args.step, args.kind, args.target, payload, args.attempt,
+        heartbeat_interval=args.heartbeat, lease_ttl_ms=args.lease_ttl,
+    )  # fmt: skip
     conn = Connection(args)
+    steps = effect_steps(spec)
     try:
-        claim = conn.call(
-            "effect_claim", args.run_id, args.step, attempt, args.kind, args.target,
-            payload=payload, lease_ttl_ms=args.lease_ttl,
-        )  # fmt: skip
+        effect = conn.driver.advance(steps, policy=FAIL_FAST).effect
     except EffectAlreadyCommitted as exc:
         record = (exc.data or {}).get("effect", {})
         if args.json:
@@ -566,9 +549,7 @@ def effect_run(args: argparse.Namespace) -> int:
     except (EffectInFlight, EffectLeaseHeld) as exc:
         return error_out(args, exc, EXIT_BUSY, "CMD was not run; retry later")
 
-    effect = ClaimedEffect(args.run_id, args.step, args.kind, args.target, claim)
     key = effect.effect_key
-    client = conn.open()
     try:
         # Under a lease, CMD must not outlive towerctl (whose death frees the lease).
         child = Child(
@@ -578,27 +559,26 @@ def effect_run(args: argparse.Namespace) -> int:
             die_with_parent=signal.SIGTERM if effect.lease_resource else None,
         )
     except OSError as exc:
-        reason = f"cannot run {shown(argv[0])}"
-        deliver(client, "effect_abort", key, attempt, reason, settled="aborted")
+        try:
+            conn.driver.advance(steps, error=EffectNotStarted(f"cannot run {shown(argv[0])}"))
+        except EffectNotStarted:
+            pass  # aborted
         return not_started(args, argv, exc, "the effect is aborted")
-    beat = EffectBeat(lambda: conn.new_client("/heartbeat"), effect, args.lease_ttl)
-    heartbeat = Heartbeat(beat, args.heartbeat, on_stop=beat.close).start()
+    heartbeat = beat_in_background(effect, lambda: conn.new_client("/heartbeat"))
     try:
         outcome = child.wait()
     finally:
-        heartbeat.stop()
+        if heartbeat is not None:
+            heartbeat.stop()
     done = outcome.result()
     lost_hint = (
         f"CMD exited {outcome.exit_status} ({_dumps(done, sort_keys=True)}) but the effect "
         f"was not recorded as done; it is parked uncertain: {_resolve_hint(key)}"
     )
-    if effect.lost is not None:
-        return error_out(args, effect.lost, EXIT_UNKNOWN, lost_hint)
     try:
-        if outcome.exit_status == 0:
-            record = deliver(client, "effect_commit", key, attempt, done)
-        else:
-            record = deliver(client, "effect_fail", key, attempt, done, settled="failed")
+        conn.driver.advance(steps, done, None if outcome.exit_status == 0 else EffectFailed(done))
+    except EffectFailed:
+        pass  # recorded failed: the next attempt runs it afresh
     except LOST as exc:
         return error_out(args, exc, EXIT_UNKNOWN, lost_hint)
     except TowerdError as exc:
@@ -609,6 +589,8 @@ def effect_run(args: argparse.Namespace) -> int:
             f"CMD exited {outcome.exit_status} but that could not be recorded; the effect is "
             f"parked uncertain once this towerctl exits: {_resolve_hint(key)}",
         )
+    record = effect.record
+    assert record is not None
     if args.json:
         print_json({"state": record["status"], "exit_status": outcome.exit_status,
                     "output_sha256": outcome.output_sha256, "effect": record})  # fmt: skip

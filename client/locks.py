@@ -16,6 +16,7 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
+from towerd.client.cli.output import UsageError, say  # say sanitises: names hold paths
 from towerd.protocol.errors import (
     LeaseExpired,
     LeaseHeld,
@@ -109,8 +110,6 @@ class LeaseBeat:
             return True
         except self.LOST as exc:
             self.lost = exc
-            from towerd.client.cli import say  # the CLI's sanitiser: the name holds a path
-
             say(
                 f"towerctl: lost the lock on {self.resource} while the command runs: {exc.message}",
                 to_stderr=True,
@@ -128,7 +127,6 @@ class LeaseBeat:
 
 def lock_worktree(args: argparse.Namespace) -> int:
     """``towerctl lock worktree [--timeout S] [--repo PATH] -- CMD ...``."""
-    from towerd.client.cli import UsageError
     from towerd.client.effect import Heartbeat
     from towerd.client.exactly_once import (
         EXIT_BUSY,

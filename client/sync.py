@@ -291,13 +291,12 @@ class Client(TowerdAPI):
         ``EffectNotStarted`` from the body aborts it; any other exception leaves it in
         flight for recovery. See :mod:`towerd.client.effect`.
         """
-        from towerd.client.effect import EffectContext
+        from towerd.client.effect import EffectContext, EffectSpec
 
-        return EffectContext(
-            self, run_id, step_id, action_kind, target_ref,
-            payload=payload, attempt_id=attempt_id, heartbeat_interval=heartbeat_interval,
-            lease_ttl_ms=lease_ttl_ms, timeout_ms=timeout_ms,
-        )  # fmt: skip
+        return EffectContext(self, EffectSpec(
+            run_id, step_id, action_kind, target_ref, payload, attempt_id, heartbeat_interval,
+            lease_ttl_ms, timeout_ms,
+        ))  # fmt: skip
 
     # --- watch ---------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from rich.console import Console
 from rich.live import Live
 
 from towerd.client import top_view
+from towerd.client.cli.output import dumps_json
 from towerd.client.sync import Client
 from towerd.protocol.errors import TooSlow, TowerdError
 
@@ -56,8 +57,6 @@ SHOWN = frozenset({"fleet", "idem", "leases", "effects", "dispatch"})  # events 
 STUCK = "stuck"  # a pseudo-topic: the stuck-loop reports of the open workers' projects
 CLIENT_NAME = "towerctl-top"
 FULL_REREAD_S = 30.0
-BACKOFF_START_S = 0.2
-BACKOFF_MAX_S = 5.0
 RESOLVED_BY = {"resolved_by": "towerctl top"}
 CHOICES = {
     "key": {"c": "completed", "a": "abandoned"},
@@ -69,8 +68,6 @@ def run_top(args: Any) -> int:
     refresh = max(0.05, float(getattr(args, "refresh", 1.0) or 1.0))
     source = Source(args.socket, args.timeout)
     if args.json:
-        from towerd.client.cli import dumps_json
-
         snapshot, _hello = source.read(TOPICS)
         print(dumps_json(snapshot, indent=2, sort_keys=True))
         return 0
@@ -160,7 +157,9 @@ class Watcher(threading.Thread):
         self._wake()
 
     def run(self) -> None:
-        backoff = BACKOFF_START_S
+        from towerd.client.retry import RECONNECT_WATCH
+
+        pauses = RECONNECT_WATCH.pauses()
         while not self._stopping.is_set():
             try:
                 self._client = self.source.client()
@@ -169,7 +168,7 @@ class Watcher(threading.Thread):
                 for item in self._client.watch(TOPICS):
                     if "snapshot" in item:
                         self.post("snapshot", item["snapshot"], self._client.hello)
-                        backoff = BACKOFF_START_S
+                        pauses = RECONNECT_WATCH.pauses()  # watching again: back off afresh
                     else:
                         self.post("change", item["event"])
             except TooSlow:
@@ -178,8 +177,7 @@ class Watcher(threading.Thread):
                 if self._stopping.is_set():
                     return
                 self.post("lost", describe(exc))
-                self._stopping.wait(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                self._stopping.wait(next(pauses))
             finally:
                 if self._client is not None:
                     self._client.close()

@@ -28,7 +28,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from towerd.client.cli import printable
+from towerd.client.cli.output import printable
 
 ATTENTION_STYLE = {"needs_you": "bold red", "running": "green", "done": "blue", "exited": "dim"}
 ATTENTION_RANK = {"needs_you": 0, "running": 1, "done": 2, "exited": 3}

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from towerd.client.cli import printable, say
+from towerd.client.cli.output import printable, say
 from towerd.client.sync import Client
 from towerd.protocol.errors import TooSlow, TowerdError, Unavailable
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -12,6 +13,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def clean_copy(into: Path) -> Path:
+    """The tracked files as they are in the working tree, without build/: setuptools
+    reuses build/lib, so a module removed or moved would still ship from there."""
+    source = into / "source"
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "-z"],
+        capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        path = REPO / name
+        if path.is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, source / name)
+    return source
+
+
 def build_wheel(out: Path) -> Path:
     subprocess.run(
         [
@@ -19,7 +36,7 @@ def build_wheel(out: Path) -> Path:
             "-m",
             "pip",
             "wheel",
-            str(REPO),
+            str(clean_copy(out)),
             "--no-deps",
             "--no-build-isolation",
             "-q",
@@ -44,6 +61,7 @@ def test_wheel_installs_only_the_towerd_namespace(short_tmp):
         assert f"towerd/{package}/__init__.py" in names
         assert f"towerd/{package}/py.typed" in names
     assert "towerd/systemd/towerd.service" in names and "towerd/systemd/towerd.socket" in names
+    assert "towerd/client/cli/__init__.py" in names and "towerd/client/cli.py" not in names
     entry_points = (
         zipfile.ZipFile(build_wheel(short_tmp / "again"))
         .read("towerd-0.1.0.dist-info/entry_points.txt")

@@ -1,13 +1,20 @@
-"""towerctl builds only the parser of the command on its command line; these tests keep
-that shortcut honest against the full parser."""
+"""towerctl imports only the group module and builds only the parser of the command on
+its command line; these tests keep that shortcut honest against the full parser."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import pkgutil
 
 import pytest
 
-from towerd.client.cli import COMMAND_PATHS, build_parser, command_path, main
+import towerd.client.cli
+from towerd.client.cli import main
+from towerd.client.cli.app import COMMAND_GROUPS, build_parser, command_path, command_paths
+
+COMMAND_PATHS = command_paths()
+cli_package = towerd.client.cli.__name__
 
 
 def leaf_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> set:
@@ -22,6 +29,21 @@ def leaf_paths(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) ->
 
 def test_command_paths_list_every_command_of_the_full_parser():
     assert leaf_paths(build_parser()) == COMMAND_PATHS
+
+
+def test_each_first_word_is_routed_to_the_module_that_declares_it():
+    """COMMAND_GROUPS, read before any group module is imported, names for each first word
+    the one module of towerd.client.cli whose declarations hold it."""
+    declared = []
+    for module in pkgutil.iter_modules(towerd.client.cli.__path__):
+        if module.name == "__main__":  # importing it runs towerctl
+            continue
+        commands = getattr(
+            importlib.import_module(f"{cli_package}.{module.name}"), "COMMANDS", None
+        )
+        if commands is not None:
+            declared += [(word, module.name) for word in commands.top_words()]
+    assert sorted(declared) == sorted(COMMAND_GROUPS.items())
 
 
 @pytest.mark.parametrize(
@@ -90,16 +112,16 @@ def test_cli_enumerations_match_the_protocol():
 
     import msgspec
 
-    from towerd.client import cli
+    from towerd.client.cli import dispatch
     from towerd.protocol import methods
 
-    assert cli.KV_SCOPES == get_args(methods.KvScope)
-    assert cli.WORKER_STATUSES == get_args(methods.WorkerStatus)
-    assert cli.DISPATCH_STATUSES == get_args(methods.DispatchStatus)
-    assert cli.AUDIT_CATEGORIES == get_args(methods.AuditCategory)
-    msgspec.convert({"limit": cli.AUDIT_PAGE}, methods.AuditListParams)  # the largest page
+    assert dispatch.KV_SCOPES == get_args(methods.KvScope)
+    assert dispatch.WORKER_STATUSES == get_args(methods.WorkerStatus)
+    assert dispatch.DISPATCH_STATUSES == get_args(methods.DispatchStatus)
+    assert dispatch.AUDIT_CATEGORIES == get_args(methods.AuditCategory)
+    msgspec.convert({"limit": dispatch.AUDIT_PAGE}, methods.AuditListParams)  # the largest page
     with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"limit": cli.AUDIT_PAGE + 1}, methods.AuditListParams)
+        msgspec.convert({"limit": dispatch.AUDIT_PAGE + 1}, methods.AuditListParams)
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from towerd_testing import TOWERCTL
 
 FORBIDDEN = ("msgspec", "typing", "anyio", "structlog", "aiosqlite", "asyncio", "pathlib")
@@ -25,7 +27,7 @@ s.connect(sys.argv[1])
 def imported_modules(command: list[str], stdin: str | None = None, **env_vars: str) -> set[str]:
     env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", **env_vars}
     result = subprocess.run(
-        command, input=stdin, capture_output=True, text=True, env=env, timeout=60
+        command, input=stdin, capture_output=True, text=True, env=env, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return {
@@ -45,6 +47,26 @@ def test_towerctl_imports_only_argparse_and_its_own_modules(daemon):
     assert "towerd.client.sync" in extras  # the measurement saw the real import path
     assert {m for m in extras if not m.startswith("towerd")} <= CLI_EXTRAS
     assert not [m for m in extras if m.split(".")[0] in FORBIDDEN]
+
+
+@pytest.mark.parametrize(
+    ("command", "group"),
+    [
+        (["ping"], "ops"),
+        (["fleet", "list"], "fleet"),
+        (["idem", "list"], "idem"),
+        (["leases"], "effects"),
+        (["kv", "list", "global"], "dispatch"),
+        (["events", "list"], "trail"),
+    ],
+)
+def test_towerctl_imports_the_module_of_its_command_group_alone(daemon, command, group):
+    """Each command line loads the declarations of its own command group, not the others'."""
+    from towerd.client.cli.app import COMMAND_GROUPS
+
+    extras = extras_over_floor(daemon, [TOWERCTL, "--socket", str(daemon.socket_path), *command])
+    groups = {f"towerd.client.cli.{module}" for module in COMMAND_GROUPS.values()}
+    assert extras & groups == {f"towerd.client.cli.{group}"}
 
 
 def test_sync_client_imports_only_its_own_modules(daemon):
@@ -73,5 +95,6 @@ def test_hook_report_imports_only_the_json_scanner_beyond_towerctl(daemon):
         (event,) = client.event_list()["events"]  # the measured run did record it
     assert event["kind"] == "PostToolUse" and event["session_id"] == session
     assert {"towerd.client.hook_report", "towerd.client.sync"} <= extras
+    assert not [m for m in extras if m.startswith("towerd.client.cli")]  # no parser at all
     assert {m for m in extras if not m.startswith("towerd")} <= HOOK_EXTRAS
     assert not [m for m in extras if m.split(".")[0] in FORBIDDEN]

@@ -456,6 +456,28 @@ def test_effect_run_heartbeats_while_cmd_runs(daemon, short_tmp):
     assert proc.wait(10) == 0
 
 
+def test_effect_run_records_the_outcome_on_a_new_connection_after_a_daemon_restart(
+    daemon, short_tmp
+):
+    """The daemon restarts while CMD runs, taking towerctl's connection with it: the commit
+    is sent again on a new connection, not left in flight for a person to settle."""
+    gate, log = Gate(short_tmp / "gate"), short_tmp / "log"
+    proc = spawn(daemon, *effect_args("run_r"), "--", "sh", "-c",
+                 f"echo in >> {log}; read x < {gate.path}; echo done")  # fmt: skip
+    appears(log, "in")
+    assert daemon.stop() == 0, daemon.log()
+    daemon.start()
+    gate.open()
+    out, err = proc.communicate(timeout=30)
+    assert (proc.returncode, out, err) == (0, "done\n", "")
+    with daemon.client() as client:
+        record = client.effect_get(effect_key("run_r", "push", "git-push", TARGET))
+        assert client.lease_list()["leases"] == []
+    assert record["status"] == "committed"
+    assert record["receipt"] == {"exit_status": 0, "output_sha256": output_digest(b"done\n", b"")}
+    assert lines(log) == ["in"]
+
+
 def test_effect_run_whose_lease_is_taken_over_exits_120_and_is_resolved(daemon, short_tmp):
     """The lease lapses while CMD runs (no heartbeat in time) and another holder takes the
     target: the effect is not committed, towerctl exits 120; a retry of the same effect

@@ -194,3 +194,55 @@ async def test_async_heartbeat_refusal_is_raised_at_exit(daemon):
                     while fx.lost is None:
                         await anyio.sleep(0.02)  # waiting for the heartbeat task's refusal
         assert (await client.effect_get(fx.effect_key))["status"] == "aborted"
+
+
+# --- the outcome outlives a lost connection ---------------------------------------------------
+
+
+def restart(daemon) -> None:
+    """The daemon goes away under the open connections and comes back on the same socket
+    and state dir (an in-flight effect stays in flight: its silence clock restarts)."""
+    assert daemon.stop() == 0, daemon.log()
+    daemon.start()
+
+
+def test_a_commit_after_a_daemon_restart_reconnects_and_commits(daemon):
+    with daemon.client() as client:
+        with client.effect("run_r", "open-pr", "pr-create", PR, heartbeat_interval=None) as fx:
+            restart(daemon)
+            fx.receipt = {"url": "https://pr/r"}
+        assert fx.record["status"] == "committed"
+        record = client.effect_get(fx.effect_key)
+    assert record["status"] == "committed" and record["receipt"] == {"url": "https://pr/r"}
+    assert record["attempt_id"] == fx.attempt_id
+
+
+@pytest.mark.anyio
+async def test_an_async_commit_after_a_daemon_restart_reconnects_and_commits(daemon):
+    """The drift this test pins down: the blocking client's commit was sent again on a new
+    connection, the async one's raised ``Unavailable`` and left the effect in flight."""
+    async with AsyncClient.open(daemon.socket_path) as client:
+        async with client.effect("run_ar", "open-pr", "pr-create", PR,
+                                 heartbeat_interval=None) as fx:  # fmt: skip
+            restart(daemon)
+            fx.receipt = {"url": "https://pr/ar"}
+        assert fx.record["status"] == "committed"
+    with daemon.client() as check:
+        record = check.effect_get(fx.effect_key)
+        assert check.lease_list()["leases"] == []  # the commit gave the lease back
+    assert record["status"] == "committed" and record["receipt"] == {"url": "https://pr/ar"}
+    assert record["attempt_id"] == fx.attempt_id
+
+
+@pytest.mark.anyio
+async def test_an_async_abort_after_a_daemon_restart_reconnects_and_aborts(daemon):
+    async with AsyncClient.open(daemon.socket_path) as client:
+        with pytest.raises(EffectNotStarted):
+            async with client.effect("run_aa", "open-pr", "pr-create", PR,
+                                     heartbeat_interval=None) as fx:  # fmt: skip
+                restart(daemon)
+                raise EffectNotStarted("nothing pushed")
+        assert fx.record["status"] == "aborted"
+    with daemon.client() as check:
+        record = check.effect_get(fx.effect_key)
+    assert record["status"] == "aborted" and record["receipt"] == {"reason": "nothing pushed"}
