@@ -10,8 +10,8 @@ must come back only once the install is done, leaving the daemon in the backgrou
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shlex
 import signal
 import subprocess

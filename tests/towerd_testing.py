@@ -203,7 +203,8 @@ def spawn_on_small_disk(
     (its state dir must be inside it). ``before_exec`` is shell run first, inside the
     namespace (``$M`` is the mountpoint): to copy a state dir in, or fill the disk. The
     test reaches the tmpfs through ``/proc/<pid>/root``."""
-    script = f'M="$0"; mount -t tmpfs -o size={size},mode=0700 tmpfs "$M" && {{ {before_exec or ":"}; }}; exec "$@"'
+    mount = f'mount -t tmpfs -o size={size},mode=0700 tmpfs "$M"'
+    script = f'M="$0"; {mount} && {{ {before_exec or ":"}; }}; exec "$@"'
     log = open(daemon.log_path, "ab")  # noqa: SIM115 - the process's lifetime
     daemon.proc = subprocess.Popen(
         ["unshare", "-m", "sh", "-c", script, str(mountpoint), *daemon.command(*extra)],

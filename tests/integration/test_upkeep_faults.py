@@ -57,8 +57,9 @@ def _claim_from_a_child(daemon) -> subprocess.Popen[str]:
 @pytest.mark.skipif(can_mount_tmpfs() is not None, reason=str(can_mount_tmpfs()))
 def test_a_full_disk_under_the_holder_sweep_is_survived(make_daemon, short_tmp):
     """The claimant dies while the disk is full: settling its key fails storage_full
-    (the expiry pass runs meanwhile, every 0.1 s); the daemon logs it, keeps serving, `doctor` names it, and once
-    space is freed the key is settled (outcome_unknown) without a restart."""
+    (the expiry pass runs meanwhile, every 0.1 s); the daemon logs it, keeps serving,
+    `doctor` names it, and once space is freed the key is settled (outcome_unknown)
+    without a restart."""
     daemon = make_daemon()
     mountpoint = short_tmp / "smallfs"
     mountpoint.mkdir(mode=0o700)

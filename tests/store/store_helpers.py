@@ -10,8 +10,8 @@ from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
-from towerd.daemon.store import DB_FILE, Store, StoreConfig, fleet, open_store
 from towerd.daemon.processes import Holder
+from towerd.daemon.store import DB_FILE, Store, StoreConfig, fleet, open_store
 from towerd.daemon.store.tx import Caller, Tx
 from towerd.protocol.methods import (
     FleetListParams,
