@@ -59,7 +59,7 @@ class _Null:
 def report(socket_path: str | None = None) -> int:
     """Record the hook event on stdin; always returns 0, never prints."""
     saved = sys.stdout, sys.stderr
-    sys.stdout = sys.stderr = _Null()  # type: ignore[assignment]
+    sys.stdout = sys.stderr = _Null()
     try:
         _report(socket_path, time.monotonic() + DEADLINE)
     except BaseException:  # noqa: BLE001, S110 - a hook must never fail, not even on Ctrl-C
@@ -102,7 +102,9 @@ def _report(socket_path: str | None, deadline: float) -> None:
         socket_path, timeout=_left(deadline), client_name=f"hook-report/{os.getpid()}", codec="lite"
     )
     try:
-        tries = [(session_id, agent_session_id)] if session_id is not None else []
+        tries: list[tuple[str | None, str | None]] = (
+            [(session_id, agent_session_id)] if session_id is not None else []
+        )
         if agent_session_id is not None:
             tries.append((None, agent_session_id))  # the daemon may not know session_id
         for sid, aid in tries:
@@ -142,7 +144,7 @@ def _read_stdin(deadline: float) -> bytes | None:
     """All of stdin, or None if it does not end by the deadline or is absurdly large."""
     import select
 
-    chunks = []
+    chunks: list[bytes] = []
     size = 0
     while True:
         ready, _, _ = select.select([0], [], [], _left(deadline))
@@ -182,7 +184,7 @@ def parse_json(data: bytes) -> Any:
 
         return json.loads(data.decode("utf-8"))
     text = data.decode("utf-8").lstrip("\ufeff").strip(" \t\n\r")
-    value, end = make_scanner(_Decoding())(text, 0)
+    value, end = make_scanner(_Decoding())(text, 0)  # type: ignore[arg-type]  # duck-typed
     if end != len(text):
         raise ValueError(f"extra data after the JSON value at {end}")
     return value

@@ -410,7 +410,8 @@ def _fleet_panel(view: View, width: int, max_rows: int | None) -> Panel:
         chosen = set(order[: max(0, max_rows - 1)])
         hidden = len(rows) - len(chosen)
         rows = [row for i, row in enumerate(rows) if i in chosen]
-    columns = [("REPOSITORY", {"max_width": 42, "style": "bold cyan"}),
+    columns: list[tuple[str, dict[str, Any]]] = [
+               ("REPOSITORY", {"max_width": 42, "style": "bold cyan"}),
                ("SESSION", {"max_width": 32}), ("AGENT", {}), ("STATE", {}),
                ("ACTIVITY", {"justify": "right"}), ("LAST EVENT", {}), ("MODEL", {}),
                ("ID", {})]  # fmt: skip

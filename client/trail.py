@@ -148,7 +148,7 @@ def matches(event: dict[str, Any], scope: dict[str, Any], kinds: Iterable[str] |
     if kinds is None:
         if event.get("kind") == HEARTBEAT:
             return False
-    elif event.get("kind") not in kinds:
+    elif event.get("kind") not in set(kinds):
         return False
     lists = {
         column: ids

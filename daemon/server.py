@@ -461,7 +461,7 @@ class Connection(asyncio.Protocol):
     def answer_watch(self, request: Request, subscription: Subscription, started: float) -> None:
         """Register ``subscription`` and answer with its snapshot, in one loop step."""
         self.in_flight -= 1
-        still_wanted = self.subscription is subscription and subscription.active
+        still_wanted = subscription.active and self.subscription is subscription
         if still_wanted and not self.transport.is_closing():
             self.subscribe_and_answer(request, subscription, started)
         self.after_answer()  # the peer half-closed or the daemon drains: answered, done

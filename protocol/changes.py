@@ -86,7 +86,7 @@ def idem_changed(principal: str, record: IdemRecord) -> IdemChanged:
         principal=principal,
         operation=record.operation,
         key=record.key,
-        state=record.state,  # type: ignore[arg-type]
+        state=record.state,
         effect_ref=record.effect_ref,
         record=record,
     )

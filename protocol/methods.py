@@ -1209,7 +1209,9 @@ FEATURES = [
 ]  # fmt: skip
 
 
-PARAMS_DECODERS = {name: msgspec.msgpack.Decoder(spec.params) for name, spec in METHODS.items()}
+PARAMS_DECODERS: dict[str, msgspec.msgpack.Decoder[Any]] = {
+    name: msgspec.msgpack.Decoder(spec.params) for name, spec in METHODS.items()
+}
 
 
 def params_decoder(method: str) -> msgspec.msgpack.Decoder[Any]:

@@ -195,9 +195,7 @@ def activity_of(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:
         if wanted is not None and session_id not in wanted:
             continue
         newest, kind = _latest(tx, session_id, agent_session_id)
-        sessions.append(
-            SessionActivity(session_id, newest, kind, attention(bool(exited), kind))  # type: ignore[arg-type]
-        )
+        sessions.append(SessionActivity(session_id, newest, kind, attention(bool(exited), kind)))
     return SessionActivityResult(sessions=sessions)
 
 

@@ -241,7 +241,7 @@ def insert(
             tx.now,
         ),
     )
-    note(tx, "idem", IdemChanged(principal, operation, key, state, effect_ref))  # type: ignore[arg-type]
+    note(tx, "idem", IdemChanged(principal, operation, key, state, effect_ref))
 
 
 def replay_or_refuse(

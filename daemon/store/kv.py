@@ -90,5 +90,5 @@ def list_values(tx: Tx, caller: Caller, params: KvListParams) -> KvListResult:
         (scope, scope_id, after if after is not None else "", limit + 1),
     ).fetchall()
     entries = [(key, KvEntry(scope, scope_id, key, unpack(value), at)) for key, value, at in rows]
-    page, next_after = take_page(entries, limit, byte_budget)  # type: ignore[arg-type]
-    return KvListResult(entries=page, next_after=next_after)  # type: ignore[arg-type]
+    page, next_after = take_page(entries, limit, byte_budget)
+    return KvListResult(entries=page, next_after=next_after)

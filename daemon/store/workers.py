@@ -36,7 +36,7 @@ _COLUMNS = (
 
 
 def _record(row: tuple[object, ...]) -> WorkerRecord:
-    return WorkerRecord(*row)  # type: ignore[arg-type]
+    return WorkerRecord(*row)
 
 
 def load(tx: Tx, worker_id: str) -> WorkerRecord | None:

@@ -457,7 +457,7 @@ async def test_a_pruned_token_record_never_lets_a_token_be_issued_again(short_tm
         second = await acquire("R")
         assert second == first + 1
         await release("R", second)
-        for n in range(5):  # a busier resource raises the floor
+        for _ in range(5):  # a busier resource raises the floor
             await release("Q", await acquire("Q"))
 
         target = "github.com/acme/app#pr"
