@@ -28,6 +28,8 @@ import os
 import sys
 import time
 
+from towerd.protocol import fields
+
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
     from typing import Any
@@ -38,8 +40,8 @@ MAX_STRING = 4096  # characters of one string kept in the payload
 MAX_PAYLOAD = 60 * 1024  # msgpack bytes of the payload (the daemon's default limit is 64 KiB)
 SMALL_STRING = 512  # characters of a top-level string kept when only those are kept
 MAX_NESTING = 64  # deeper values are replaced by a marker (the daemon refuses > 100)
-MAX_KIND = 64  # the daemon's limit on an event kind
-MAX_AGENT_SESSION_ID = 256  # and on an agent session id
+MAX_KIND = fields.MAX_EVENT_KIND  # the daemon's limit on an event kind
+MAX_AGENT_SESSION_ID = fields.MAX_AGENT_SESSION_ID  # and on an agent session id
 TRUNCATED_KEY = "towerd_truncated"  # added when only the top-level scalars were kept
 
 

@@ -28,7 +28,7 @@ from towerd.protocol.paths import default_socket_path
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping, Sequence
+    from collections.abc import Generator, Iterator, Mapping, Sequence
     from typing import Any
 
     from towerd.client.effect import EffectContext
@@ -302,7 +302,7 @@ class Client(TowerdAPI):
 
     def watch(
         self, topics: Sequence[str], *, idle_timeout: float | None = None
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Generator[dict[str, Any], None, None]:
         """Turn this connection into a subscription to ``topics`` (fleet, events, idem,
         leases, effects, dispatch).
 

@@ -51,8 +51,9 @@ from towerd.client import top_view
 from towerd.client.cli.output import dumps_json
 from towerd.client.sync import Client
 from towerd.protocol.errors import TooSlow, TowerdError
+from towerd.protocol.fields import WATCH_TOPICS
 
-TOPICS = ("fleet", "events", "idem", "leases", "effects", "dispatch")
+TOPICS = WATCH_TOPICS  # every topic: the dashboard shows them all
 SHOWN = frozenset({"fleet", "idem", "leases", "effects", "dispatch"})  # events only mark fleet
 STUCK = "stuck"  # a pseudo-topic: the stuck-loop reports of the open workers' projects
 CLIENT_NAME = "towerctl-top"

@@ -1,4 +1,10 @@
-"""Field names shared by the typed messages and the light clients (stdlib only)."""
+"""The wire's names, enumerations and limits, each declared once (stdlib only).
+
+protocol/methods.py derives its msgspec types from these (``Literal[...]`` of a
+tuple here, ``Meta`` bounds from a limit here); the CLI's ``choices``, the hook
+reporter's checks and the dashboard's topics import them from here. A hook may
+import this module: it costs nothing.
+"""
 
 # Fields a caller may set on a fleet session, in storage order (ownership excluded).
 SESSION_FIELDS = (
@@ -20,3 +26,14 @@ SESSION_FIELDS = (
 )
 
 IDEM_STATES = ("in_progress", "completed", "outcome_unknown")
+KV_SCOPES = ("global", "worker", "milestone")
+WORKER_STATUSES = ("active", "stopping", "crashed")
+DISPATCH_STATUSES = ("claimed", "running", "completed", "failed", "stuck", "canceled", "paused")
+AUDIT_CATEGORIES = ("worker", "lease", "dispatch")
+MESSAGE_STATUSES = ("queued", "delivered", "read")
+ATTENTIONS = ("running", "needs_you", "done", "exited")
+WATCH_TOPICS = ("fleet", "events", "idem", "leases", "effects", "dispatch")
+EFFECT_STATUSES = ("in_flight", "committed", "failed", "aborted", "uncertain")
+
+MAX_EVENT_KIND = 64  # characters of an event kind (a hook's hook_event_name)
+MAX_AGENT_SESSION_ID = 256  # characters of an agent session id

@@ -62,6 +62,7 @@ def test_wheel_installs_only_the_towerd_namespace(short_tmp):
         assert f"towerd/{package}/py.typed" in names
     assert "towerd/systemd/towerd.service" in names and "towerd/systemd/towerd.socket" in names
     assert "towerd/client/cli/__init__.py" in names and "towerd/client/cli.py" not in names
+    assert "towerd/protocol/schema/fleet.py" in names
     entry_points = (
         zipfile.ZipFile(build_wheel(short_tmp / "again"))
         .read("towerd-0.1.0.dist-info/entry_points.txt")

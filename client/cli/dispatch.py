@@ -8,6 +8,7 @@ import os
 
 from towerd.client.cli.output import clip, dumps_json, json_arg, pairs, render, table, with_cursor
 from towerd.client.cli.registry import Commands, arg
+from towerd.protocol.fields import AUDIT_CATEGORIES, DISPATCH_STATUSES, KV_SCOPES, WORKER_STATUSES
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -17,10 +18,6 @@ if TYPE_CHECKING:
 
 # The wire's enumerations (towerd.protocol.methods has them as Literals, but importing it
 # pulls in msgspec); tests/client/test_cli_parser.py keeps these in step.
-KV_SCOPES = ("global", "worker", "milestone")
-WORKER_STATUSES = ("active", "stopping", "crashed")
-DISPATCH_STATUSES = ("claimed", "running", "completed", "failed", "stuck", "canceled", "paused")
-AUDIT_CATEGORIES = ("worker", "lease", "dispatch")
 AUDIT_PAGE = 500  # the most events one audit.list call returns
 
 COMMANDS = Commands()

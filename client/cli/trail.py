@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from towerd.client.cli.output import table
 from towerd.client.cli.registry import Commands, arg
+from towerd.protocol.fields import MESSAGE_STATUSES
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ def render_messages(result: dict[str, Any]) -> str:
     render=render_messages,
     options=[
         arg("session_id"),
-        arg("--status", choices=["queued", "delivered", "read"], default=None),
+        arg("--status", choices=MESSAGE_STATUSES, default=None),
     ],
 )
 def cmd_message_list(client: Client, args: argparse.Namespace) -> Any:

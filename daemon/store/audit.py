@@ -13,6 +13,8 @@ import uuid
 from typing import Any
 
 from towerd.daemon.store.tx import Caller, Tx, note, pack, take_page, unpack
+from towerd.protocol.fields import AUDIT_CATEGORIES
+from towerd.protocol.fields import WATCH_TOPICS as ALL_TOPICS
 from towerd.protocol.methods import AuditEvent, AuditListParams, AuditListResult
 
 DAEMON_ACTOR = "daemon"  # the daemon's own upkeep: reaping, retention
@@ -44,6 +46,9 @@ def record(
 
 
 WATCH_TOPICS = {"lease": "leases", "worker": "dispatch", "dispatch": "dispatch"}
+assert WATCH_TOPICS.keys() == set(AUDIT_CATEGORIES) and set(WATCH_TOPICS.values()) <= set(
+    ALL_TOPICS
+)
 
 
 _COLUMNS = "seq, event_id, trace_id, turn_id, caused_by, category, type, ts, actor, payload"
@@ -53,7 +58,8 @@ def list_events(tx: Tx, caller: Caller, params: AuditListParams) -> AuditListRes
     """Newest first, paged by ``seq``: ``next_before`` continues where a page ended."""
     category, type, trace_id = params.category, params.type, params.trace_id
     before, limit, byte_budget = params.before, params.limit, tx.config.page_bytes
-    where, args = ["seq < ?"], [before if before is not None else 2**63 - 1]
+    where: list[str] = ["seq < ?"]
+    args: list[Any] = [before if before is not None else 2**63 - 1]
     for column, value in (("category", category), ("type", type), ("trace_id", trace_id)):
         if value is not None:
             where.append(f"{column} = ?")
@@ -63,7 +69,7 @@ def list_events(tx: Tx, caller: Caller, params: AuditListParams) -> AuditListRes
         "ORDER BY seq DESC LIMIT ?",
         (*args, limit + 1),
     ).fetchall()
-    events = [(row[0], AuditEvent(*row[:9], payload=unpack(row[9]))) for row in rows]
+    events = [(row[0], AuditEvent(*row[:9], payload=unpack(row[9]))) for row in rows]  # type: ignore[misc]
     page, next_before = take_page(events, limit, byte_budget)
     return AuditListResult(events=page, next_before=next_before)
 

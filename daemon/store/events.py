@@ -142,7 +142,7 @@ def page(tx: Tx, params: EventListParams, byte_budget: int) -> EventListResult:
         f"WHERE {' AND '.join(where)} ORDER BY event_id DESC LIMIT ?",
         (*args, limit + 1),
     ).fetchall()
-    events = [(row[0], TrailEvent(*row[:5], payload=unpack(row[5]))) for row in rows]
+    events = [(row[0], TrailEvent(*row[:5], payload=unpack(row[5]))) for row in rows]  # type: ignore[misc]
     page, next_before = take_page(events, limit, byte_budget)
     return EventListResult(events=page, next_before=next_before)
 

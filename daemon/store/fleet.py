@@ -380,15 +380,15 @@ def replace_rows(
 
     relinked = 0
     for sid in order:
-        entry = kept.get(sid)
-        if entry is None:
+        kept_entry = kept.get(sid)
+        if kept_entry is None:
             if parents[sid] != links[sid]:
                 _update_row(tx, sid, {"parent": parents[sid]})
                 relinked += 1
             continue
-        if parents[sid] != entry.parent:
+        if parents[sid] != kept_entry.parent:
             relinked += 1
-        fields = {name: getattr(entry, name) for name in SESSION_FIELDS}
+        fields = {name: getattr(kept_entry, name) for name in SESSION_FIELDS}
         fields["parent"] = parents[sid]
         if sid in stored_ids:
             _update_row(tx, sid, fields)

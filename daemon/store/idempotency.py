@@ -181,7 +181,7 @@ def claim(tx: Tx, caller: Caller, params: IdemClaimParams) -> IdemClaimResult:
                 {"operation": params.operation, "key": params.key, "state": row.record.state},
             )
         if row.record.state == COMPLETED:
-            return IdemClaimResult(COMPLETED, row.record.effect_ref, row.record.result)
+            return IdemClaimResult("completed", row.record.effect_ref, row.record.result)
         if row.record.state == IN_PROGRESS and params.attempt and params.attempt == row.attempt:
             return IdemClaimResult("claimed", row.record.effect_ref)  # its answer was lost
         _refuse_unsettled(row, holder)

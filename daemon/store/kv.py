@@ -91,4 +91,4 @@ def list_values(tx: Tx, caller: Caller, params: KvListParams) -> KvListResult:
     ).fetchall()
     entries = [(key, KvEntry(scope, scope_id, key, unpack(value), at)) for key, value, at in rows]
     page, next_after = take_page(entries, limit, byte_budget)
-    return KvListResult(entries=page, next_after=next_after)
+    return KvListResult(entries=page, next_after=next_after)  # type: ignore[arg-type]  # a key

@@ -289,7 +289,7 @@ class Store:
                 self.lost_reason = lost
                 _fail_all(jobs, self._lost_error())
                 return
-            self._changes = tx.changes
+            self._changes = tx.changes or []
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")

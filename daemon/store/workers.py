@@ -36,7 +36,7 @@ _COLUMNS = (
 
 
 def _record(row: tuple[object, ...]) -> WorkerRecord:
-    return WorkerRecord(*row)
+    return WorkerRecord(*row)  # type: ignore[arg-type]  # the columns are its fields, in order
 
 
 def load(tx: Tx, worker_id: str) -> WorkerRecord | None:

@@ -106,8 +106,9 @@ def test_the_lean_parser_parses_like_the_full_one(path):
     assert lean["parser"].prog == full["parser"].prog == " ".join(("towerctl", *path))
 
 
-def test_cli_enumerations_match_the_protocol():
-    """The CLI spells the wire's Literals out (importing them costs hooks msgspec)."""
+def test_cli_enumerations_are_the_protocols():
+    """The wire's Literals and the CLI's choices come from one declaration
+    (protocol/fields.py: importing methods.py would cost a hook msgspec)."""
     from typing import get_args
 
     import msgspec

@@ -1,0 +1,102 @@
+"""The handshake and the daemon's own methods: hello, ping, status, shutdown."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta, Struct
+
+from towerd.protocol.schema.base import (
+    Millis,
+    _require_printable,
+)
+
+# --- handshake and daemon ----------------------------------------------------
+
+
+class HelloParams(Struct):
+    protocol: int
+    client: Annotated[str, Meta(max_length=256)]
+    principal: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+
+    def __post_init__(self) -> None:
+        _require_printable("principal", self.principal)
+
+
+class ServerInfo(Struct):
+    name: str
+    version: str
+
+
+class HelloResult(Struct):
+    daemon_id: str
+    owner_epoch: int
+    protocol: int
+    server: ServerInfo
+    max_frame: int
+    features: list[str]
+    principal: str
+
+
+class PingResult(Struct):
+    pong: bool
+    now: Millis
+
+
+class KeyCounts(Struct):
+    in_progress: int = 0
+    completed: int = 0
+    outcome_unknown: int = 0
+
+
+class ReconcileReport(Struct):
+    """What startup reconciliation did, as logged and reported by ``status``."""
+
+    at: Millis
+    owner_epoch: int
+    rows_taken: int = 0
+    marked_unknown: int = 0
+    completed_from_evidence: int = 0
+    still_unknown: int = 0
+    expired: int = 0
+
+
+class ClockReport(Struct):
+    """towerd's clock against the wall clock (docs/protocol.md, "Time")."""
+
+    now: Millis  # towerd's time: real elapsed time since its anchor
+    wall: Millis  # the wall clock at the same moment
+    offset_ms: int  # wall - now: the wall-clock steps since the anchor
+    steps_detected: int  # wall-clock steps noticed since this daemon started
+
+
+class UpkeepTask(Struct):
+    """One background task: how its runs went (a failing task retries with backoff)."""
+
+    name: str
+    runs: int
+    failures: int  # consecutive failures; 0 when the last run succeeded
+    last_error_code: str | None = None
+    last_error: str | None = None
+    last_failed_at: Millis | None = None
+
+
+class StatusResult(Struct):
+    daemon_id: str
+    owner_epoch: int
+    pid: int
+    version: str
+    protocol: int
+    started_at: Millis
+    uptime_ms: int
+    db_path: str
+    socket_path: str
+    sessions: int
+    keys: KeyCounts
+    reconciliation: ReconcileReport
+    clock: ClockReport | None = None
+    upkeep: list[UpkeepTask] = []
+
+
+class ShutdownResult(Struct):
+    stopping: bool

@@ -1,0 +1,177 @@
+"""Fenced leases and the external-effects ledger: lease.*, effect.*."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct
+
+from towerd.protocol.schema.base import (
+    INT64_MAX,
+    ActionKind,
+    EffectStatus,
+    Millis,
+    _require_shallow,
+)
+
+# --- leases ------------------------------------------------------------------------------
+
+LeaseTtl = Annotated[int, Meta(ge=5_000, le=600_000)]
+DEFAULT_LEASE_TTL_MS = 300_000
+Resource = Annotated[str, Meta(min_length=1, max_length=1024)]
+Token = Annotated[int, Meta(ge=1, le=INT64_MAX)]
+
+
+class LeaseAcquireParams(Struct):
+    resource: Resource
+    ttl_ms: LeaseTtl = DEFAULT_LEASE_TTL_MS
+
+
+class LeaseRenewParams(Struct):
+    resource: Resource
+    fencing_token: Token
+    ttl_ms: LeaseTtl = DEFAULT_LEASE_TTL_MS
+
+
+class LeaseTokenParams(Struct):
+    resource: Resource
+    fencing_token: Token
+
+
+class LeaseResourceParams(Struct):
+    resource: Resource
+
+
+class LeaseRecord(Struct):
+    """A lease as the daemon's clock sees it; ``expires_at`` is daemon time."""
+
+    resource: str
+    fencing_token: int
+    expires_at: Millis
+    holder: str  # principal and pid, e.g. "uid:1000:default pid 4242"
+    holder_pid: int | None
+    acquired_at: Millis
+    renewed_at: Millis
+    live: bool
+
+
+class LeaseAcquireResult(Struct):
+    resource: str
+    fencing_token: int
+    expires_at: Millis
+    holder: str
+    renewed: bool
+
+
+class LeaseReleaseResult(Struct):
+    resource: str
+    fencing_token: int
+    released: bool
+
+
+class LeaseListResult(Struct, omit_defaults=True):
+    leases: list[LeaseRecord]
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
+
+
+# --- the effects ledger -------------------------------------------------------------------
+
+EffectKey = Annotated[str, Meta(pattern="^eff_[0-9a-f]{16}$")]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+AttemptId = Annotated[str, Meta(min_length=1, max_length=128)]
+
+
+class EffectClaimParams(Struct):
+    run_id: Name
+    step_id: Name
+    attempt_id: AttemptId
+    action_kind: ActionKind
+    target_ref: Annotated[str, Meta(min_length=1, max_length=1024)]
+    payload: Any = None
+    timeout_ms: Annotated[int, Meta(ge=1_000, le=86_400_000)] = DEFAULT_LEASE_TTL_MS
+    lease_ttl_ms: LeaseTtl = DEFAULT_LEASE_TTL_MS
+
+    def __post_init__(self) -> None:
+        _require_shallow("payload", self.payload)
+
+
+class EffectClaimResult(Struct):
+    effect_key: str
+    status: str
+    attempt_id: str
+    lease_resource: str | None = None
+    fencing_token: int | None = None
+    lease_expires_at: Millis | None = None
+
+
+class EffectAttemptParams(Struct):
+    effect_key: EffectKey
+    attempt_id: AttemptId
+    lease_ttl_ms: LeaseTtl = DEFAULT_LEASE_TTL_MS
+
+
+class EffectCommitParams(Struct):
+    effect_key: EffectKey
+    attempt_id: AttemptId
+    receipt: Any = None
+
+    def __post_init__(self) -> None:
+        _require_shallow("receipt", self.receipt)
+
+
+class EffectAbortParams(Struct):
+    effect_key: EffectKey
+    attempt_id: AttemptId
+    reason: Annotated[str, Meta(max_length=4096)] | None = None
+
+
+class EffectFailParams(Struct):
+    effect_key: EffectKey
+    attempt_id: AttemptId
+    error: Any = None
+
+    def __post_init__(self) -> None:
+        _require_shallow("error", self.error)
+
+
+class EffectResolveParams(Struct):
+    effect_key: EffectKey
+    outcome: Literal["committed", "aborted"]
+    receipt: Any = None
+
+    def __post_init__(self) -> None:
+        _require_shallow("receipt", self.receipt)
+
+
+class EffectKeyParams(Struct):
+    effect_key: EffectKey
+
+
+class EffectListParams(Struct):
+    run_id: Name
+
+
+class EffectRecord(Struct):
+    """An effect's receipt: what was claimed, by which attempt, and how it ended."""
+
+    effect_key: str
+    run_id: str
+    step_id: str
+    attempt_id: str
+    action_kind: str
+    target_ref: str
+    status: EffectStatus
+    payload_hash: str  # hex SHA-256 of the canonical payload
+    receipt: Any
+    claimed_at: Millis
+    heartbeat_at: Millis
+    completed_at: Millis | None
+    timeout_ms: int
+    lease_resource: str | None
+    fencing_token: int | None
+    holder_pid: int | None
+
+
+class EffectListResult(Struct, omit_defaults=True):
+    effects: list[EffectRecord]
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame
