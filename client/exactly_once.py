@@ -262,7 +262,7 @@ def _write_all(fd: int, data: bytes) -> None:
 # --- talking to the daemon --------------------------------------------------------------------
 
 
-class Connection:
+class RetryingConnection:
     """towerctl's connection, reopened after a lost connection where a retry is safe.
 
     A call fails fast by default (:data:`~towerd.client.retry.FAIL_FAST`: before CMD
@@ -383,7 +383,7 @@ def stored_status(result: Any) -> int:
 
 
 def _claim_run(
-    conn: Connection, args: argparse.Namespace, operation: str, key: str, argv: list[str]
+    conn: RetryingConnection, args: argparse.Namespace, operation: str, key: str, argv: list[str]
 ) -> dict[str, Any] | int:
     """The claim of ``towerctl run``: its answer, or the exit status to leave with."""
     import secrets
@@ -415,7 +415,7 @@ def _claim_run(
 
 
 def _reopen_failed_run(
-    conn: Connection, args: argparse.Namespace, operation: str, key: str, failed: Any
+    conn: RetryingConnection, args: argparse.Namespace, operation: str, key: str, failed: Any
 ) -> None:
     """--retry-failed: forget the failed outcome (the operator log says so). A retry
     that got there first (reopened it, maybe ran it) is no error: the next claim says
@@ -433,7 +433,7 @@ def shell_run(args: argparse.Namespace) -> int:
     if not args.key:
         raise UsageError("run: give --key KEY (the name of what CMD does, the same on a retry)")
     operation, key = args.operation, args.key
-    conn = Connection(args)
+    conn = RetryingConnection(args)
     claim = _claim_run(conn, args, operation, key, argv)
     if isinstance(claim, int):
         return claim
@@ -527,7 +527,7 @@ def effect_run(args: argparse.Namespace) -> int:
         args.run_id, args.step, args.kind, args.target, payload, args.attempt,
         heartbeat_interval=args.heartbeat, lease_ttl_ms=args.lease_ttl,
     )  # fmt: skip
-    conn = Connection(args)
+    conn = RetryingConnection(args)
     steps = effect_steps(spec)
     try:
         effect = conn.driver.advance(steps, policy=FAIL_FAST).effect

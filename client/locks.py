@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
     from towerd.client.sync import Client
 
-DEFAULT_LOCK_TTL_MS = 60_000
 _POLL_FIRST, _POLL_MAX = 0.05, 0.5
 
 
@@ -132,7 +131,7 @@ def lock_worktree(args: argparse.Namespace) -> int:
         EXIT_BUSY,
         EXIT_UNKNOWN,
         Child,
-        Connection,
+        RetryingConnection,
         command_argv,
         error_out,
         not_started,
@@ -148,7 +147,7 @@ def lock_worktree(args: argparse.Namespace) -> int:
     except GitError as exc:
         raise UsageError(f"lock worktree: {exc}") from None
     ttl_ms = args.lease_ttl
-    conn = Connection(args)
+    conn = RetryingConnection(args)
 
     def waiting(exc: LeaseHeld) -> None:
         lease = (exc.data or {}).get("lease", {})

@@ -28,6 +28,7 @@ COMMANDS = Commands()
 
 # run, effect run and lock worktree: CMD's output is theirs, and so is the exit status.
 RUNS_CMD: dict[str, Any] = {"offline": True, "raw": True, "epilog": EXIT_EPILOG}
+LOCK_TTL_MS = 60_000  # lock worktree's lease, renewed every third of it
 
 
 def command_after_dashes(what: str) -> Arg:
@@ -153,9 +154,9 @@ COMMANDS.group("lock", "run a command holding a lock")
         arg(
             "--lease-ttl",
             type=int,
-            default=60_000,
+            default=LOCK_TTL_MS,
             metavar="MS",
-            help="the lock's TTL, renewed every third of it (default: 60000)",
+            help=f"the lock's TTL, renewed every third of it (default: {LOCK_TTL_MS})",
         ),
         command_after_dashes("to run under the lock"),
     ],

@@ -21,27 +21,18 @@ from towerd.protocol.methods import (
     LegacyImportParams,
     LegacyImportResult,
     LegacySkip,
-    Millis,
     SessionEntry,
+    SessionFields,
 )
 
 
-class LegacyEntry(msgspec.Struct):
+class LegacyEntry(SessionFields, kw_only=True):
+    """An entry of the legacy fleet file: the session fields, an agent session id
+    always, and ``parent`` as the legacy file names it (an agent session id, mapped to
+    a session id on import)."""
+
     agent_session_id: str
-    cwd: str
-    agent: str
-    name: str | None = None
-    pinned: bool = False
-    last_attached_at: Millis | None = None
-    exited: bool = False
     parent: str | None = None
-    prompt: str | None = None
-    result: str | None = None
-    transcript_path: str | None = None
-    model: str | None = None
-    effort: str | None = None
-    target: str | None = None
-    target_identity: str | None = None
 
 
 _CAMEL_BOUNDARY = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")

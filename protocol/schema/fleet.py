@@ -45,44 +45,38 @@ class SessionRow(Struct):
     updated_at: Millis
 
 
-class SessionEntry(Struct):
+class SessionFields(Struct, kw_only=True):
+    """The fields a caller sets on a session (``SESSION_FIELDS``), with the defaults a
+    new or rewritten session gets: the base of every message that carries a whole
+    session (``fleet.write``'s entries, ``session.register``, the legacy importer's
+    entries). ``SessionRow`` spells them out in the order every fleet answer encodes,
+    and ``SessionUpdateParams`` with ``UNSET`` defaults; both are checked below."""
+
+    agent_session_id: str | None = None
+    name: str | None = None
+    cwd: str
+    agent: str
+    pinned: bool = False
+    last_attached_at: Millis | None = None
+    exited: bool = False
+    parent: SessionId | None = None
+    prompt: str | None = None
+    result: str | None = None
+    transcript_path: str | None = None
+    model: str | None = None
+    effort: str | None = None
+    target: str | None = None
+    target_identity: str | None = None
+
+
+class SessionEntry(SessionFields, kw_only=True):
     """A whole session as ``fleet.write`` replaces it (fields left out are cleared)."""
 
     session_id: SessionId
-    cwd: str
-    agent: str
-    agent_session_id: str | None = None
-    name: str | None = None
-    pinned: bool = False
-    last_attached_at: Millis | None = None
-    exited: bool = False
-    parent: SessionId | None = None
-    prompt: str | None = None
-    result: str | None = None
-    transcript_path: str | None = None
-    model: str | None = None
-    effort: str | None = None
-    target: str | None = None
-    target_identity: str | None = None
 
 
-class SessionRegisterParams(Struct):
-    cwd: str
-    agent: str
+class SessionRegisterParams(SessionFields, kw_only=True):
     session_id: SessionId | None = None
-    agent_session_id: str | None = None
-    name: str | None = None
-    pinned: bool = False
-    last_attached_at: Millis | None = None
-    exited: bool = False
-    parent: SessionId | None = None
-    prompt: str | None = None
-    result: str | None = None
-    transcript_path: str | None = None
-    model: str | None = None
-    effort: str | None = None
-    target: str | None = None
-    target_identity: str | None = None
     idempotency_key: IdemKey | None = None
 
     def __post_init__(self) -> None:
@@ -189,3 +183,9 @@ class FleetAdoptResult(Struct):
     keys_adopted: int = 0  # idempotency keys now reconciled by this daemon
     keys_marked_unknown: int = 0  # of those, in progress and without evidence
     keys_completed_from_evidence: int = 0
+
+
+# One declaration of the session fields: the Structs that spell them out again agree.
+assert SessionFields.__struct_fields__ == SESSION_FIELDS
+assert SessionRow.__struct_fields__[1:-3] == SESSION_FIELDS
+assert SessionUpdateParams.__struct_fields__[1:] == SESSION_FIELDS

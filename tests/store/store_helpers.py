@@ -3,14 +3,16 @@ Store on a real SQLite file in a temp dir."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sqlite3
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
-from towerd.daemon.processes import Holder
+from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import DB_FILE, Store, StoreConfig, fleet, open_store
 from towerd.daemon.store.tx import Caller, Tx
 from towerd.protocol.methods import (
@@ -105,3 +107,43 @@ def caller(principal: str = "default", holder: Holder | None = None, pid: int = 
     whose keys these are, the holder process of what it claims (None: held by nobody),
     and the pid audit events name."""
     return Caller(principal=principal, pid=pid or (holder.pid if holder else 0), holder=holder)
+
+
+# --- the clock and the settings a store function sees, moved per call ----------------
+
+
+def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run on a Tx whose clock reads ``shift_ms`` later than the writer's."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
+
+    return run
+
+
+def clock(now: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run on a Tx whose clock reads exactly ``now``."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        return fn(dataclasses.replace(tx, now=now), *args)
+
+    return run
+
+
+def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
+    """``fn`` run on a Tx whose store settings (``tx.config``) have ``settings`` changed."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
+
+    return run
+
+
+# --- holders ---------------------------------------------------------------------------
+
+_me = holder_of(os.getpid())
+_parent = holder_of(os.getppid())
+assert _me is not None and _parent is not None
+LIVE: Holder = _me  # this test process: alive
+OTHER_LIVE: Holder = _parent  # another live process (pytest's parent)
+DEAD = Holder(LIVE.pid, LIVE.start + 1)  # the same pid, another start time: not alive

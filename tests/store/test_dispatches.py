@@ -27,7 +27,18 @@ from typing import Any
 import msgspec
 import pytest
 
-from store_helpers import caller, db_path, execute, opened, query, register, state_dir
+from store_helpers import (
+    LIVE,
+    at,
+    caller,
+    clock,
+    db_path,
+    execute,
+    opened,
+    query,
+    register,
+    state_dir,
+)
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import (
     Store,
@@ -90,7 +101,6 @@ TASK = "execute-task"
 
 _me = holder_of(os.getpid())
 assert _me is not None
-LIVE: Holder = _me  # this test process
 REUSED = Holder(LIVE.pid, LIVE.start + 1)  # this pid with another start time: not alive
 ACTOR = f"{ME} pid {LIVE.pid}"
 WHO: Caller = caller(ME, holder=LIVE)  # who sends the dispatch requests: audited as ACTOR
@@ -98,24 +108,6 @@ assert WHO.actor == ACTOR
 
 
 # --- clock and processes -------------------------------------------------------------------
-
-
-def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose clock reads ``shift_ms`` later than the writer's."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
-
-    return run
-
-
-def clock(now: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose clock reads exactly ``now``."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=now), *args)
-
-    return run
 
 
 def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:

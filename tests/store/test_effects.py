@@ -9,18 +9,16 @@ time that is not its own.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
-from store_helpers import caller, opened, query
+from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, configured, opened, query
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import Store, effects, leases, liveness
 from towerd.daemon.store import idempotency as idem
@@ -67,27 +65,6 @@ TTL = 60_000
 _me = holder_of(os.getpid())
 _parent = holder_of(os.getppid())
 assert _me is not None and _parent is not None
-LIVE: Holder = _me  # this test process: alive
-OTHER_LIVE: Holder = _parent  # another live process (pytest's parent)
-DEAD = Holder(LIVE.pid, LIVE.start + 1)  # the same pid, another start time: not alive
-
-
-def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose clock reads ``shift_ms`` later than the writer's."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
-
-    return run
-
-
-def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose store settings (``tx.config``) have ``settings`` changed."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
-
-    return run
 
 
 def params(

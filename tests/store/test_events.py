@@ -21,6 +21,8 @@ import pytest
 
 from store_helpers import (
     caller,
+    clock,
+    configured,
     db_path,
     entry,
     new_id,
@@ -41,7 +43,7 @@ from towerd.daemon.store import (
     retention,
     schema,
 )
-from towerd.daemon.store.tx import PAGE_BYTES, Caller, Tx, now_ms, pack
+from towerd.daemon.store.tx import PAGE_BYTES, Caller, now_ms, pack
 from towerd.protocol.changes import IdemChanged
 from towerd.protocol.errors import BadArgs, Conflict, IdempotencyConflict, NotFound
 from towerd.protocol.methods import (
@@ -85,33 +87,6 @@ NO_PRINCIPAL = Caller(principal=None, pid=0, holder=None)  # type: ignore[arg-ty
 
 
 # --- clock ---------------------------------------------------------------------------------
-
-
-def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose clock reads ``shift_ms`` later than the writer's."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
-
-    return run
-
-
-def clock(now: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose clock reads exactly ``now``."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=now), *args)
-
-    return run
-
-
-def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose store settings (``tx.config``) have ``settings`` changed."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
-
-    return run
 
 
 # --- store helpers -------------------------------------------------------------------------

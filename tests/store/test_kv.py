@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from store_helpers import caller, opened
+from store_helpers import at, caller, opened
 from towerd.daemon.store import Store, kv
 from towerd.daemon.store.tx import Tx, pack
 from towerd.protocol.errors import BadArgs, NotFound
@@ -37,15 +37,6 @@ pytestmark = pytest.mark.anyio
 LIMIT = DEFAULT_KV_MAX_VALUE
 BIG_BUDGET = 1 << 30
 WHO = caller()  # who asks: kv rows are shared, a new one counts for its principal's quota
-
-
-def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose clock reads ``shift_ms`` later than the writer's."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
-
-    return run
 
 
 def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:

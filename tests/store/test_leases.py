@@ -8,18 +8,15 @@ sleeping; a dead holder is this process's pid with a start time that is not its 
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from store_helpers import caller, opened
+from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, opened
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import Store, leases
-from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import LeaseExpired, LeaseHeld, LeaseNotFound, LeaseSuperseded
 from towerd.protocol.methods import (
     Empty,
@@ -41,18 +38,6 @@ TTL = 60_000
 _me = holder_of(os.getpid())
 _parent = holder_of(os.getppid())
 assert _me is not None and _parent is not None
-LIVE: Holder = _me  # this test process: alive
-OTHER_LIVE: Holder = _parent  # another live process (pytest's parent)
-DEAD = Holder(LIVE.pid, LIVE.start + 1)  # the same pid, another start time: not alive
-
-
-def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose clock reads ``shift_ms`` later than the writer's."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
-
-    return run
 
 
 async def acquire(

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from store_helpers import caller, db_path, opened, query, register, state_dir
+from store_helpers import DEAD, LIVE, at, caller, db_path, opened, query, register, state_dir
 from towerd.daemon import maintenance
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import (
@@ -62,18 +62,7 @@ DAY = 24 * 60 * 60 * 1000
 A, B = "uid:0:alice", "uid:0:bob"
 _me = holder_of(os.getpid())
 assert _me is not None
-LIVE: Holder = _me
-DEAD = Holder(LIVE.pid, LIVE.start + 1)  # the same pid, another start time: not alive
 TABLES = ("idempotency", "kv", "messages", "events", "effects", "leases", "lease_tokens")
-
-
-def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose clock reads ``shift_ms`` later than the writer's."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
-
-    return run
 
 
 def with_config(tx: Tx, **settings: Any) -> Tx:
