@@ -16,29 +16,13 @@ import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
 
-from store_helpers import caller, new_id, opened, query, register, register_params
+from store_helpers import caller, new_id, opened, query, register, register_params, rows
 from towerd.daemon.store import Store, fleet, idempotency
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import Conflict, Unavailable
-from towerd.protocol.methods import FleetListParams, IdemClaimParams, SessionRow
+from towerd.protocol.methods import IdemClaimParams
 
 pytestmark = pytest.mark.anyio
-
-
-def _all_rows(tx: Tx) -> list[SessionRow]:
-    rows: list[SessionRow] = []
-    cursor = None
-    while True:
-        page = fleet.list_sessions(tx, caller(), FleetListParams(limit=5000, cursor=cursor))
-        rows += page.sessions
-        if page.next_cursor is None:
-            return rows
-        cursor = page.next_cursor
-
-
-async def rows(store: Store) -> list[SessionRow]:
-    """This daemon's fleet rows in stored order, paged through ``fleet.list``."""
-    return await store.read(_all_rows)
 
 
 def noting_batch(seen: list[Tx], fn: Callable[..., Any]) -> Callable[..., Any]:
