@@ -13,11 +13,14 @@ import sqlite3
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from towerd.client.sync import Client
 from towerd.protocol.errors import TowerdError
 from towerd.protocol.paths import default_socket_path, default_state_dir
+
+if TYPE_CHECKING:
+    from towerd.client.results import DoctorResult, StatusResult
 
 WAL_WARNING_BYTES = 64 * 1024 * 1024
 
@@ -35,7 +38,7 @@ def examine(
 ) -> dict[str, Any]:
     socket_path = socket_path or Path(default_socket_path())
     findings: list[Finding] = []
-    report: dict[str, Any] | None = None
+    report: DoctorResult | None = None
     try:
         with Client(socket_path, principal=principal, timeout=60) as client:
             status = client.status()
@@ -128,7 +131,7 @@ CLOCK_OFFSET_WARNING_MS = 60_000
 DISK_WARNING_BYTES = 64 * 1024 * 1024
 
 
-def _health_findings(status: dict[str, Any]) -> list[Finding]:
+def _health_findings(status: StatusResult) -> list[Finding]:
     """The daemon's background tasks and its clock, as ``status`` reports them."""
     findings = []
     failing = [task for task in status.get("upkeep") or [] if task["failures"]]
@@ -183,7 +186,7 @@ def _disk_findings(state_dir: Path) -> list[Finding]:
     ]
 
 
-def _database_findings(report: dict[str, Any]) -> list[Finding]:
+def _database_findings(report: DoctorResult) -> list[Finding]:
     findings = []
     if report["integrity"] == ["ok"]:
         findings.append(Finding("integrity", "ok", f"PRAGMA {report['check']}: ok"))

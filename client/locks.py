@@ -28,6 +28,7 @@ from towerd.protocol.errors import (
 if TYPE_CHECKING:
     import argparse
 
+    from towerd.client.results import LeaseAcquireResult
     from towerd.client.sync import Client
 
 _POLL_FIRST, _POLL_MAX = 0.05, 0.5
@@ -64,7 +65,7 @@ def acquire_waiting(
     ttl_ms: int,
     timeout: float,
     waiting: Any = None,
-) -> dict[str, Any]:
+) -> LeaseAcquireResult:
     """``lease.acquire``, repeated while another holder has it, for up to ``timeout``
     seconds; ``waiting(error)`` is called once, at the first refusal. Raises the last
     ``LeaseHeld`` at the deadline."""

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from towerd.client.effect import EffectContext
+    from towerd.client.results import IdemRecord, SessionRow
 
 DEFAULT_TIMEOUT = 10.0
 # The largest response frame a client accepts, whatever hello.max_frame announces
@@ -346,7 +347,7 @@ class Client(TowerdAPI):
 
     # --- paging --------------------------------------------------------------------------------
 
-    def iter_fleet(self, page_size: int | None = None) -> Iterator[dict[str, Any]]:
+    def iter_fleet(self, page_size: int | None = None) -> Iterator[SessionRow]:
         """Every row of this daemon's fleet, fetching page after page."""
         cursor = None
         while True:
@@ -358,7 +359,7 @@ class Client(TowerdAPI):
 
     def iter_keys(
         self, state: str | None = None, page_size: int | None = None
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Iterator[IdemRecord]:
         cursor = None
         while True:
             page = self.idem_list(state=state, limit=page_size, cursor=cursor)

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
     from typing import Any
 
+    from towerd.client.results import TrailEvent
+
 CONTEXT = 10  # events shown before tailing
 CATCH_UP = 200  # events fetched after a renewed watch (the daemon's largest page)
 HEARTBEAT = "heartbeat"
@@ -96,7 +98,7 @@ class _Tail:
 
     def catch_up(self, limit: int) -> None:
         """Print the newest ``limit`` matching events not printed yet, oldest first."""
-        events: list[dict[str, Any]] = []  # newest first
+        events: list[TrailEvent] = []  # newest first
         before = None
         more = False
         with self.client() as client:

@@ -53,7 +53,7 @@ def build_wheel(out: Path) -> Path:
 
 def test_wheel_installs_only_the_towerd_namespace(short_tmp):
     """No bare `daemon`, `protocol` or `client` (another package owns `daemon`); py.typed,
-    the unit files and both console scripts are shipped."""
+    the client's typing files, the unit files and both console scripts are shipped."""
     names = zipfile.ZipFile(build_wheel(short_tmp)).namelist()
     top_level = {name.split("/")[0] for name in names}
     assert top_level == {"towerd", "towerd-0.1.0.dist-info"}
@@ -63,6 +63,8 @@ def test_wheel_installs_only_the_towerd_namespace(short_tmp):
     assert "towerd/systemd/towerd.service" in names and "towerd/systemd/towerd.socket" in names
     assert "towerd/client/cli/__init__.py" in names and "towerd/client/cli.py" not in names
     assert "towerd/protocol/schema/fleet.py" in names
+    # the typed client API: the answers' TypedDicts and the async client's stub
+    assert "towerd/client/results.py" in names and "towerd/client/aio_api.pyi" in names
     entry_points = (
         zipfile.ZipFile(build_wheel(short_tmp / "again"))
         .read("towerd-0.1.0.dist-info/entry_points.txt")

@@ -222,3 +222,22 @@ def rss_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     raise AssertionError("no VmRSS")
+
+
+def plant_foreign_rows(state_dir: Path, daemon_id: str, count: int = 1) -> list[str]:
+    """Write fleet rows as another daemon id into a stopped daemon's store, in process:
+    rows a crashed or retired daemon left behind, for ``fleet.adopt`` to take over."""
+    import anyio
+
+    from towerd.daemon.store import StoreConfig, open_store
+    from towerd.daemon.store.fleet import insert_session
+    from towerd.protocol.methods import SessionRegisterParams
+
+    async def plant() -> list[str]:
+        async with open_store(StoreConfig(state_dir, daemon_id=daemon_id)) as store:
+            return [
+                await store.write(insert_session, SessionRegisterParams(cwd=f"/f{i}", agent="a"))
+                for i in range(count)
+            ]
+
+    return anyio.run(plant)

@@ -9,9 +9,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-import anyio
-
-from towerd_testing import TOWERCTL, towerctl, wait_for
+from towerd_testing import TOWERCTL, plant_foreign_rows, towerctl, wait_for
 
 UUID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
@@ -343,19 +341,6 @@ def test_fleet_import_legacy_text_reports_counts_and_skips(daemon, short_tmp):
     ]
 
 
-def _plant_foreign_rows(state_dir: Path, daemon_id: str) -> str:
-    """Write a row as another daemon id into the stopped daemon's store."""
-    from towerd.daemon.store import StoreConfig, open_store
-    from towerd.daemon.store.fleet import insert_session
-    from towerd.protocol.methods import SessionRegisterParams
-
-    async def plant() -> str:
-        async with open_store(StoreConfig(state_dir, daemon_id=daemon_id)) as store:
-            return await store.write(insert_session, SessionRegisterParams(cwd="/f", agent="a"))
-
-    return anyio.run(plant)
-
-
 def test_fleet_adopt(daemon):
     """adopt refuses own (bad_args) and unknown (not_found) ids; takes gone rows."""
     own = ok_json(daemon, "status")["daemon_id"]
@@ -365,8 +350,8 @@ def test_fleet_adopt(daemon):
     text_error(daemon, "fleet", "adopt", "nobody", code="not_found")
 
     assert daemon.stop() == 0
-    foreign = _plant_foreign_rows(daemon.state_dir, "old-1")
-    _plant_foreign_rows(daemon.state_dir, "old-2")
+    foreign = plant_foreign_rows(daemon.state_dir, "old-1")[0]
+    plant_foreign_rows(daemon.state_dir, "old-2")
     daemon.start()
     assert ok_json(daemon, "fleet", "adopt", "old-1") == {
         "adopted": 1,

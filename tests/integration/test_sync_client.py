@@ -6,7 +6,6 @@ import os
 import time
 import uuid
 
-import anyio
 import pytest
 
 import towerd.client as client_module
@@ -29,6 +28,7 @@ from towerd.client import (
     run_once,
 )
 from towerd.protocol import ERROR_CODES, error_for_code
+from towerd_testing import plant_foreign_rows
 
 UID = os.geteuid()
 SESSION_KEYS = {
@@ -430,28 +430,12 @@ def test_fleet_adopt_refusals(daemon):
             c.fleet_adopt("")
 
 
-def _plant_foreign_rows(state_dir, daemon_id: str, count: int) -> list[str]:
-    """Write rows as another daemon id into the (stopped) daemon's store, in process."""
-    from towerd.daemon.store import StoreConfig, open_store
-    from towerd.daemon.store.fleet import insert_session
-    from towerd.protocol.methods import SessionRegisterParams
-
-    async def plant() -> list[str]:
-        async with open_store(StoreConfig(state_dir, daemon_id=daemon_id)) as store:
-            return [
-                await store.write(insert_session, SessionRegisterParams(cwd=f"/f{i}", agent="a"))
-                for i in range(count)
-            ]
-
-    return anyio.run(plant)
-
-
 def test_fleet_adopt_takes_over_foreign_rows(daemon):
     """Another daemon's rows are invisible and stale_epoch until adopted, then ours."""
     with daemon.client() as c:
         ours = c.session_register(cwd="/ours", agent="a")["session_id"]
     assert daemon.stop() == 0
-    foreign = _plant_foreign_rows(daemon.state_dir, "gone-daemon", 2)
+    foreign = plant_foreign_rows(daemon.state_dir, "gone-daemon", 2)
     daemon.start()
     with daemon.client() as c:
         assert c.hello["owner_epoch"] == 2

@@ -1,0 +1,164 @@
+"""The client's result types are true: every TowerdAPI method, called on a real
+daemon, answers a map that its TypedDict in towerd.client.results accepts.
+
+The TypedDicts are derived from the result Structs (client/stubgen.py), so this
+checks the derivation (NotRequired exactly where the daemon may leave a field out,
+the enumerations' values) against what the daemon really sends.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from typing import Any
+
+import msgspec
+
+from towerd.client import results, stubgen
+from towerd.protocol.methods import METHODS
+from towerd_testing import plant_foreign_rows, wait_for
+
+PR = "github.com/acme/app#pull/typed"
+# A claimant that dies mid-effect: its effect is parked uncertain, for effect.resolve.
+CLAIMANT = """
+import signal, sys
+from towerd.client import Client
+with Client(sys.argv[1]) as client:
+    client.effect_claim("run_dead", "notify", "a-1", "webhook", "https://hooks.example/x")
+print("claimed", flush=True)
+signal.pause()
+"""
+
+
+def park_an_uncertain_effect(daemon: Any) -> str:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLAIMANT, str(daemon.socket_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "claimed"
+    proc.kill()
+    proc.wait(10)
+    with daemon.client() as client:
+        (effect,) = wait_for(
+            lambda: [
+                e for e in client.effect_list("run_dead")["effects"] if e["status"] == "uncertain"
+            ],
+            timeout=10,
+            what="the dead claimant's effect to park",
+        )
+    return effect["effect_key"]
+
+
+def checked_calls(client: Any) -> dict[str, list[Any]]:
+    """Record every answer the client receives, by wire method."""
+    answers: dict[str, list[Any]] = {}
+    call = client.call
+
+    def recording(method: str, params: Any = None) -> Any:
+        answer = call(method, params)
+        answers.setdefault(method, []).append(answer)
+        return answer
+
+    client.call = recording
+    return answers
+
+
+def exercise_every_method(client: Any, short_tmp: Any, uncertain: str) -> None:
+    """One call of each TowerdAPI method, in an order where each one succeeds."""
+    first = client.session_register(cwd="/a", agent="claude", name="one")["session_id"]
+    client.session_update(first, pinned=True)
+    client.fleet_get(first)
+    client.fleet_list(limit=1)
+    written = str(uuid.uuid4())
+    client.fleet_write([{"session_id": written, "cwd": "/w", "agent": "x"}])
+    client.fleet_import_legacy([{"agentSessionID": "legacy", "cwd": "/l", "agent": "x"}, "junk"])
+    client.session_remove(written)
+    client.fleet_adopt("gone-daemon")
+    client.idem_claim("deploy", "k1", payload={"n": 1})
+    client.idem_complete("deploy", "k1", {"ok": True})
+    client.idem_claim("deploy", "k1", payload={"n": 1})  # replayed: the completed shape
+    client.idem_claim("deploy", "k2")
+    client.idem_release("deploy", "k2")
+    client.idem_claim("deploy", "k3")
+    client.idem_mark_unknown("deploy", "k3")
+    client.idem_resolve("deploy", "k3", "completed", {"ok": 3})
+    client.idem_reopen("deploy", "k3", {"ok": 3}, reason="typed test")
+    client.idem_get("deploy", "k1")
+    client.idem_list(limit=2)
+    lease = client.lease_acquire("typed-lease", ttl_ms=60_000)
+    client.lease_renew("typed-lease", lease["fencing_token"], ttl_ms=60_000)
+    client.lease_get("typed-lease")
+    client.lease_list()
+    client.lease_release("typed-lease", lease["fencing_token"])
+    effect = client.effect_claim("run_t", "open-pr", "a-1", "pr-create", PR, lease_ttl_ms=60_000)
+    client.effect_heartbeat(effect["effect_key"], "a-1", lease_ttl_ms=60_000)
+    client.effect_commit(effect["effect_key"], "a-1", {"pr": 7})
+    for step, end in (("abort", client.effect_abort), ("fail", client.effect_fail)):
+        other = client.effect_claim("run_t", step, "a-1", "webhook", f"https://x/{step}")
+        end(other["effect_key"], "a-1", "typed test")
+    client.doctor()  # while an effect waits for a decision: the report names it
+    client.effect_resolve(uncertain, "aborted")
+    client.effect_get(effect["effect_key"])
+    client.effect_list("run_t")
+    worker = client.worker_register("/srv/typed", version="test")["worker_id"]
+    client.worker_heartbeat(worker)
+    client.worker_list()
+    units = {}
+    for unit in ("start", "complete", "fail", "stuck", "pause", "cancel"):
+        resource = f"worker-lease:{unit}"
+        token = client.lease_acquire(resource, ttl_ms=600_000)["fencing_token"]
+        claimed = client.dispatch_claim(
+            worker, resource, token, "task", unit, "M1", f"trace-{unit}"
+        )
+        units[unit] = (claimed["dispatch_id"], token)
+        client.dispatch_start(claimed["dispatch_id"], worker, token)
+    ended = {
+        "complete": lambda d, t: client.dispatch_complete(d, worker, t, "done"),
+        "fail": lambda d, t: client.dispatch_fail(d, worker, t, "E1", "broke"),
+        "stuck": lambda d, t: client.dispatch_stuck(d, worker, t, "loops"),
+        "pause": lambda d, t: client.dispatch_pause(d, worker, t),
+        "cancel": lambda d, t: client.dispatch_cancel(d, worker, t, "enough"),
+    }
+    for unit, end in ended.items():
+        end(*units[unit])
+    client.dispatch_get(units["start"][0])
+    client.dispatch_list(limit=10)
+    client.dispatch_recent(worker_id=worker)
+    client.dispatch_stuck_report("/srv/typed")
+    client.worker_stopping(worker)
+    client.audit_list(limit=5)
+    client.kv_set("global", "k", {"v": 1})
+    client.kv_get("global", "k")
+    client.kv_list("global")
+    client.kv_delete("global", "k")
+    client.event_record("Notification", session_id=first, payload={"message": "hi"})
+    client.event_list(session_ids=[first])
+    client.session_activity([first])
+    message = client.session_message(first, "ship it")
+    client.message_list(first)
+    client.message_ack(message["message_id"])
+    client.fleet_restore_plan()
+    client.backup(str(short_tmp / "typed.db"))
+    client.doctor()
+    client.ping()
+    client.status()
+    client.shutdown()
+
+
+def test_every_answer_matches_its_typed_dict(daemon, short_tmp):
+    assert daemon.stop() == 0
+    plant_foreign_rows(daemon.state_dir, "gone-daemon")
+    daemon.start()
+    uncertain = park_an_uncertain_effect(daemon)
+    with daemon.client() as client:
+        answers = checked_calls(client)
+        exercise_every_method(client, short_tmp, uncertain)
+    assert daemon.proc.wait(15) == 0
+
+    expected = set(stubgen.api_methods().values())
+    assert expected - set(answers) == set(), "a TowerdAPI method was not exercised"
+    for method, seen in answers.items():
+        shape = getattr(results, METHODS[method].result.__name__)
+        for answer in seen:
+            msgspec.convert(answer, shape, strict=True)  # raises naming the path on a mismatch
+            assert set(answer) <= set(shape.__annotations__), (method, answer)
