@@ -44,7 +44,7 @@ from towerd.daemon.store import (
     upkeep,
     workers,
 )
-from towerd.daemon.store.legacy import import_legacy
+from towerd.daemon.store.legacy_fleet_import import import_legacy
 from towerd.daemon.store.status import status_counts
 from towerd.daemon.store.tx import Caller, Tx, current_clock, now_ms
 from towerd.protocol import PROTOCOL_VERSION, SERVER_NAME, VERSION

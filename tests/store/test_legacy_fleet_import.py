@@ -11,7 +11,7 @@ import pytest
 
 from store_helpers import caller, opened, parents, register, rows
 from towerd.daemon.store import Store
-from towerd.daemon.store.legacy import import_legacy, snake_case
+from towerd.daemon.store.legacy_fleet_import import import_legacy, snake_case
 from towerd.protocol.methods import UUID_PATTERN, LegacyImportParams, LegacyImportResult
 
 pytestmark = pytest.mark.anyio
