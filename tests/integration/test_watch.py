@@ -1,6 +1,7 @@
 """``watch`` subscriptions against a real daemon: snapshots, pushed changes in commit
 order, topic filters, the one-request rule, slow subscribers, the async client,
-unsubscribing and a daemon killed mid-watch.
+unsubscribing, a daemon killed mid-watch, and bounds under large state and slow
+consumers (snapshots that fit a frame, the outbound cap, abandoned iterators).
 
 Watchers are the real ``Client.watch`` / ``AsyncClient.watch``, or a raw socket
 speaking the wire protocol through ``towerd.protocol.lite`` where the test must
@@ -19,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from towerd.client import (
@@ -54,12 +56,18 @@ def new_id() -> str:
 class RawWatcher:
     """hello then watch on a bare socket; reads only when the test says so."""
 
-    def __init__(self, daemon: Daemon, topics: list[str] | None, watch_id: int = WATCH_ID) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        topics: list[str] | None,
+        watch_id: int = WATCH_ID,
+        max_frame: int = DEFAULT_MAX_FRAME + RESPONSE_SLACK,
+    ) -> None:
         """Says hello and, given ``topics``, watches them (else call ``watch`` later)."""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(daemon.socket_path))
         self.sock.settimeout(10)
-        self.decoder = FrameDecoder(DEFAULT_MAX_FRAME + RESPONSE_SLACK)
+        self.decoder = FrameDecoder(max_frame)
         self.frames: list[bytes] = []
         self.watch_id = watch_id
         self.snapshot: dict[str, Any] = {}
@@ -82,9 +90,12 @@ class RawWatcher:
         return self.snapshot
 
     def next(self) -> Any:
-        """The next frame decoded, or None at end of stream."""
+        """The next frame decoded, or None at end of stream (or a reset)."""
         while not self.frames:
-            data = self.sock.recv(65536)
+            try:
+                data = self.sock.recv(1 << 20)
+            except ConnectionResetError:
+                return None
             if not data:
                 return None
             self.frames.extend(self.decoder.feed(data))
@@ -674,3 +685,170 @@ def test_a_watch_sent_with_eof_while_writes_commit_is_answered_before_the_close(
         for thread in writers:
             thread.join(10)
     assert_no_errors_logged(daemon)
+
+
+LONG = "n" * 250  # a valid Name is up to 256 characters
+RESOURCE = "r" * 1000  # a valid Resource is up to 1024
+
+
+def claim_many_long_dispatches(daemon: Daemon, count: int) -> None:
+    """``count`` active dispatches, every string field near its maximum length."""
+    c = daemon.client()
+    worker_id = c.worker_register(str(daemon.root))["worker_id"]
+    token = c.lease_acquire(RESOURCE, ttl_ms=600_000)["fencing_token"]
+    calls = [
+        (
+            "dispatch.claim",
+            {
+                "worker_id": worker_id,
+                "lease_resource": RESOURCE,
+                "fencing_token": token,
+                "unit_type": LONG,
+                "unit_id": f"{n:05d}{LONG}",
+                "milestone_id": LONG,
+                "trace_id": LONG,
+                "slice_id": LONG,
+                "task_id": LONG,
+                "turn_id": LONG,
+            },
+        )  # fmt: skip
+        for n in range(count)
+    ]
+    for start in range(0, count, 50):
+        outcomes = c.call_many(calls[start : start + 50])
+        bad = [o for o in outcomes if isinstance(o, TowerdError)]
+        assert not bad, bad[:1]
+    # The registering process is this test process: it stays alive, so they stay active.
+
+
+# --- bounded under large state and slow consumers (found by review) ----------------------
+
+
+def test_dispatch_watch_snapshot_always_fits_a_frame(daemon):
+    claim_many_long_dispatches(daemon, 400)
+    with daemon.client() as watcher:
+        first = next(watcher.watch(["dispatch"]))
+    snapshot = first["snapshot"]["dispatch"]
+    assert snapshot["dispatches"], snapshot
+    assert len(snapshot["dispatches"]) == 400 or snapshot.get("truncated") is True
+
+
+def test_idem_watch_snapshot_always_fits_a_frame(make_daemon):
+    daemon = make_daemon().start("--max-frame", "65536")
+    c = daemon.client()
+    calls = [
+        ("idem.claim", {"operation": "o" * 120, "key": f"{n:05d}" + "k" * 240,
+                        "effect_ref": "e" * 250})
+        for n in range(500)
+    ]  # fmt: skip
+    for start in range(0, len(calls), 20):
+        outcomes = c.call_many(calls[start : start + 20])
+        assert not [o for o in outcomes if isinstance(o, TowerdError)], outcomes[:1]
+    with daemon.client() as watcher:
+        first = next(watcher.watch(["idem"]))
+    assert first["snapshot"]["idem"]["keys"]
+
+
+# --- the daemon's outbound cap vs --watch-max-queue ----------------------------------------
+
+
+def test_a_watcher_under_a_large_watch_max_queue_is_never_cut_silently(make_daemon):
+    daemon = make_daemon().start("--watch-max-queue", str(32 * 1024 * 1024))
+    writer = daemon.client()
+    sid = writer.session_register(cwd="/repo", agent="claude")["session_id"]
+    raw = RawWatcher(daemon, None, max_frame=4 * (DEFAULT_MAX_FRAME + RESPONSE_SLACK))
+    raw.watch(["events"])
+    assert raw.next()["result"]["seq"] == 0
+    blob = {"output": "x" * 60_000}
+    count = 200  # ~12 MB of pushes: above 8 MiB, well under the 32 MiB queue bound
+    for _ in range(count):
+        writer.event_record("PostToolUse", session_id=sid, payload=blob)
+    frames = []
+    while len(frames) < count and (value := raw.next()) is not None:
+        frames.append(value)
+        if "error" in value:
+            break
+    if len(frames) == count:
+        assert [f["seq"] for f in frames] == list(range(1, count + 1))
+        return
+    cut = [line for line in daemon.log().splitlines() if "peer_not_reading" in line]
+    assert frames and frames[-1].get("error", {}).get("code") == "too_slow", (
+        f"cut off after {len(frames)} of {count} pushes with no too_slow frame: {cut[:1]}"
+    )
+
+
+# --- the sync client's iterator ------------------------------------------------------------
+
+
+def test_closing_a_sync_watch_iterator_releases_its_connection(daemon):
+    c = daemon.client()
+    baseline = open_sockets(daemon.pid)
+    watcher = daemon.client()
+    stream = watcher.watch(["events"])
+    assert next(stream)["seq"] == 0
+    stream.close()  # the caller is done watching (e.g. broke out of its loop)
+    wait_for(
+        lambda: open_sockets(daemon.pid) == baseline,
+        timeout=3,
+        what="the abandoned watch connection released",
+    )
+    assert c.ping()["pong"] is True
+
+
+# --- the async client ----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_an_async_watcher_that_stops_consuming_is_bounded(make_daemon):
+    queue = 65536
+    daemon = make_daemon().start("--watch-max-queue", str(queue))
+    blob = {"output": "x" * 4096}
+    pushes = 0
+    ending: BaseException | None = None
+    async with AsyncClient.open(daemon.socket_path) as writer:
+        sid = (await writer.session_register(cwd="/repo", agent="claude"))["session_id"]
+        async with AsyncClient.open(daemon.socket_path) as watcher:
+            stream = watcher.watch(["events"])
+            assert (await stream.__anext__())["seq"] == 0
+            # The consumer stops reading; the event loop keeps running (other tasks work).
+            count = 1000  # ~4 MB of pushes, 60x the queue bound
+            for _ in range(0, count, 50):
+                with anyio.fail_after(30):
+                    async with anyio.create_task_group() as tasks:
+                        for _ in range(50):
+                            tasks.start_soon(
+                                lambda: writer.event_record("Stop", session_id=sid, payload=blob)
+                            )
+            try:
+                with anyio.fail_after(30):
+                    async for _push in stream:
+                        pushes += 1
+                        if pushes == count:
+                            break
+            except TowerdError as exc:
+                ending = exc
+    # Assertions outside the clients' task groups (they would wrap a failure in a group).
+    assert isinstance(ending, TooSlow), f"got all {pushes} pushes and no too_slow ({ending!r})"
+    assert pushes < count
+
+
+@pytest.mark.anyio
+async def test_a_refused_second_async_watch_leaves_the_first_one_working(daemon):
+    push: Any = None
+    refused: BaseException | None = None
+    async with AsyncClient.open(daemon.socket_path) as writer:
+        sid = (await writer.session_register(cwd="/repo", agent="claude"))["session_id"]
+        async with AsyncClient.open(daemon.socket_path) as watcher:
+            first = watcher.watch(["events"])
+            assert (await first.__anext__())["seq"] == 0
+            second = watcher.watch(["events"])
+            try:
+                await second.__anext__()
+            except TowerdError as exc:  # this connection already watches
+                refused = exc
+            event = await writer.event_record("Stop", session_id=sid)
+            with anyio.move_on_after(5):
+                push = await first.__anext__()
+    assert isinstance(refused, Conflict), refused
+    assert push is not None, "the first watch never saw the change"
+    assert push["seq"] == 1 and push["data"]["event_id"] == event["event_id"]

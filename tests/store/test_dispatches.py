@@ -28,10 +28,12 @@ import msgspec
 import pytest
 
 from store_helpers import (
+    DEAD,
     LIVE,
     at,
     caller,
     clock,
+    configured,
     db_path,
     execute,
     opened,
@@ -99,24 +101,13 @@ WORKER_TTL = 60_000
 DAY = 86_400_000
 TASK = "execute-task"
 
-_me = holder_of(os.getpid())
-assert _me is not None
-REUSED = Holder(LIVE.pid, LIVE.start + 1)  # this pid with another start time: not alive
+REUSED = DEAD  # this pid with another start time: not alive
 ACTOR = f"{ME} pid {LIVE.pid}"
 WHO: Caller = caller(ME, holder=LIVE)  # who sends the dispatch requests: audited as ACTOR
 assert WHO.actor == ACTOR
 
 
 # --- clock and processes -------------------------------------------------------------------
-
-
-def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
-    """``fn`` run on a Tx whose config has ``settings`` (as towerd's options set them)."""
-
-    def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
-
-    return run
 
 
 @pytest.fixture
@@ -1411,6 +1402,31 @@ async def test_prune_history_removes_old_settled_rows_and_keeps_active_ones(
         # Three old attempts of OLD are gone: its budget is fresh.
         fresh = await claim(store, young_w, "OLD", shift=later)
         assert fresh.attempt_n == 1
+
+
+async def test_retention_keeps_a_failed_dispatch_whose_retry_time_is_still_ahead(
+    short_tmp: Path,
+) -> None:
+    """A failed dispatch whose retry is 8 days away survives a prune with a one-day
+    retention, two days on: its unit is still refused not_before, never claimed early
+    with a fresh budget (found by review)."""
+    later = 2 * DAY
+    async with opened(short_tmp) as store:
+        w = await new_worker(store, project(short_tmp))
+        claimed = await claim(store, w)
+        failure = DispatchFailParams(
+            dispatch_id=claimed.dispatch_id, worker_id=w.worker_id, fencing_token=w.token,
+            error_code="E_RATE", error_summary="rate limited", retry_after_ms=10 * DAY,
+        )  # fmt: skip
+        failed = await store.write(dispatches.fail, WHO, failure)
+        assert failed.next_run_at is not None
+
+        await store.write(at(later, retention.prune_history), DAY)
+        await worker_heartbeat(store, w.worker_id, shift=later)
+        again = dataclasses.replace(w, token=await acquire(store, LIVE, shift=later))
+        with pytest.raises(NotBefore) as refused:
+            await claim(store, again, shift=later)
+    assert refused.value.data["next_run_at"] == failed.next_run_at
 
 
 # --- schema --------------------------------------------------------------------------------
