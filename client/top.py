@@ -9,12 +9,14 @@ How it stays live, and why this way:
   pipe.
 * The main loop re-reads the dirty topics by opening a short-lived connection,
   asking ``watch`` for just those topics and closing it: the answer's snapshot has
-  exactly the shape the first one had, taken by the daemon in one step. Applying the
-  pushed deltas instead would mean re-deriving the daemon's views in the client
-  (attention from the newest event, which keys are unsettled, which leases still
-  live); a re-read cannot drift from them. Re-reads are coalesced, at most one per
-  ``--refresh`` seconds (a burst of hook events costs one read, a lone change shows
-  at once), and everything is re-read every 30 s as a safety net. The screen is
+  exactly the shape the first one had, taken by the daemon in one step. The notes
+  are typed (protocol/changes.py), but applying them would still mean re-deriving
+  the daemon's views in the client: the per-state key counts (a key's note does not
+  say which state it left), attention from the newest event, which leases still
+  live (lease and dispatch notes are audit events, not records); a re-read cannot
+  drift from them, and costs one short read per refresh. Re-reads are coalesced, at
+  most one per ``--refresh`` seconds (a burst of hook events costs one read, a lone
+  change shows at once), and everything is re-read every 30 s as a safety net. The screen is
   redrawn at least every ``--refresh`` seconds (relative times, lease countdowns).
 * A watcher the daemon drops as ``too_slow`` watches again (a fresh snapshot). A
   lost daemon shows a red banner over the last state read while the thread
