@@ -12,7 +12,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from towerd.daemon.store.tx import Caller, Tx, note, pack, take_page, unpack
+from towerd.daemon.store.tx import Caller, Tx, note, pack, take_page, unpack, where
 from towerd.protocol.fields import AUDIT_CATEGORIES
 from towerd.protocol.fields import WATCH_TOPICS as ALL_TOPICS
 from towerd.protocol.methods import AuditEvent, AuditListParams, AuditListResult
@@ -56,17 +56,15 @@ _COLUMNS = "seq, event_id, trace_id, turn_id, caused_by, category, type, ts, act
 
 def list_events(tx: Tx, caller: Caller, params: AuditListParams) -> AuditListResult:
     """Newest first, paged by ``seq``: ``next_before`` continues where a page ended."""
-    category, type, trace_id = params.category, params.type, params.trace_id
     before, limit, byte_budget = params.before, params.limit, tx.config.page_bytes
-    where: list[str] = ["seq < ?"]
-    args: list[Any] = [before if before is not None else 2**63 - 1]
-    for column, value in (("category", category), ("type", type), ("trace_id", trace_id)):
-        if value is not None:
-            where.append(f"{column} = ?")
-            args.append(value)
+    clause, args = where(
+        ("seq < ?", before if before is not None else 2**63 - 1),
+        category=params.category,
+        type=params.type,
+        trace_id=params.trace_id,
+    )
     rows = tx.conn.execute(
-        f"SELECT {_COLUMNS} FROM audit_events WHERE {' AND '.join(where)} "
-        "ORDER BY seq DESC LIMIT ?",
+        f"SELECT {_COLUMNS} FROM audit_events {clause} ORDER BY seq DESC LIMIT ?",
         (*args, limit + 1),
     ).fetchall()
     events = [(row[0], AuditEvent(*row[:9], payload=unpack(row[9]))) for row in rows]  # type: ignore[misc]

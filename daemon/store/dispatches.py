@@ -23,7 +23,7 @@ from msgspec.structs import asdict
 
 from towerd.daemon.processes import is_alive
 from towerd.daemon.store import audit, leases, stuck, workers
-from towerd.daemon.store.tx import Caller, Refused, Tx, fitted
+from towerd.daemon.store.tx import Caller, Refused, Tx, fitted, where
 from towerd.protocol.errors import (
     AlreadyActive,
     AttemptsExhausted,
@@ -355,17 +355,15 @@ def cancel_for_worker(tx: Tx, worker_id: str, reason: str, caused_by: str) -> li
 def list_dispatches(tx: Tx, caller: Caller, params: DispatchListParams) -> DispatchListResult:
     """The most recent ``limit`` matching rows, oldest first; cut to fit a frame keeping
     the most recent (flagged ``truncated``)."""
-    where, args = [], []
-    for column, value in (("unit_type", params.unit_type), ("unit_id", params.unit_id),
-                          ("milestone_id", params.milestone_id), ("status", params.status),
-                          ("worker_id", params.worker_id)):  # fmt: skip
-        if value is not None:
-            where.append(f"{column} = ?")
-            args.append(value)
+    clause, args = where(
+        unit_type=params.unit_type,
+        unit_id=params.unit_id,
+        milestone_id=params.milestone_id,
+        status=params.status,
+        worker_id=params.worker_id,
+    )
     rows = tx.conn.execute(
-        f"SELECT {_COLUMNS} FROM dispatches"
-        + (f" WHERE {' AND '.join(where)}" if where else "")
-        + " ORDER BY dispatch_id DESC LIMIT ?",
+        f"SELECT {_COLUMNS} FROM dispatches {clause} ORDER BY dispatch_id DESC LIMIT ?",
         (*args, params.limit),
     ).fetchall()
     listed = DispatchListResult(dispatches=[_record(row) for row in reversed(rows)])
@@ -381,13 +379,13 @@ def _recent_rows(
     import os
 
     if worker_id is not None:
-        where, arg = "w.worker_id = ?", worker_id
+        condition, arg = "w.worker_id = ?", worker_id
     else:
-        where, arg = "w.project_root = ?", os.path.realpath(project_root or "/")
+        condition, arg = "w.project_root = ?", os.path.realpath(project_root or "/")
     rows = tx.conn.execute(
         f"""SELECT d.unit_type, d.unit_id, d.status, d.error_code, d.error_summary
             FROM dispatches d JOIN workers w ON w.worker_id = d.worker_id
-            WHERE {where} AND w.status != 'crashed'
+            WHERE {condition} AND w.status != 'crashed'
             ORDER BY d.dispatch_id DESC LIMIT ?""",
         (arg, limit),
     ).fetchall()

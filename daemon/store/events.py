@@ -15,7 +15,7 @@ from typing import Any
 
 from towerd.daemon.store import fleet, quota
 from towerd.daemon.store.tx import Caller, Tx, fitted, note, pack, take_page, unpack
-from towerd.protocol.errors import BadArgs, NotFound
+from towerd.protocol.errors import BadArgs
 from towerd.protocol.methods import (
     Empty,
     EventListParams,
@@ -63,9 +63,7 @@ def record(tx: Tx, caller: Caller, params: EventRecordParams) -> EventRecordResu
             (session_id, tx.daemon_id),
         ).fetchone()
         if row is None and agent_session_id is None:
-            raise NotFound(
-                f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
-            )
+            raise fleet.no_such_session(session_id)
     if row is not None:
         agent_session_id = agent_session_id or row[0]
     else:  # no session id, or a stale one (a wrapper's old id): the agent's own id decides

@@ -101,9 +101,7 @@ def get_session(tx: Tx, session_id: str) -> SessionRow:
         f"{_SELECT_ROW} WHERE session_id = ? AND daemon_id = ?", (session_id, tx.daemon_id)
     ).fetchone()
     if values is None:
-        raise NotFound(
-            f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
-        )
+        raise no_such_session(session_id)
     return row_from_sql(values)
 
 
@@ -145,7 +143,11 @@ def count_sessions(tx: Tx) -> int:
 # --- single-row writes ---------------------------------------------------------------
 
 
-def _own_row(tx: Tx, session_id: str) -> tuple[str | None, str | None] | None:
+def no_such_session(session_id: str) -> NotFound:
+    return NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
+
+
+def own_row(tx: Tx, session_id: str) -> tuple[str | None, str | None] | None:
     """(parent, agent_session_id) of one of this daemon's rows, or None."""
     return tx.conn.execute(
         "SELECT parent, agent_session_id FROM sessions WHERE session_id = ? AND daemon_id = ?",
@@ -153,9 +155,17 @@ def _own_row(tx: Tx, session_id: str) -> tuple[str | None, str | None] | None:
     ).fetchone()
 
 
+def require_own_row(tx: Tx, session_id: str) -> tuple[str | None, str | None]:
+    """``own_row``, or ``not_found`` when this daemon has no such row."""
+    row = own_row(tx, session_id)
+    if row is None:
+        raise no_such_session(session_id)
+    return row
+
+
 def _top_level_parent(tx: Tx, parent: str) -> str:
     """The top-level row a new link to ``parent`` must point at (rule 3 of relink)."""
-    row = _own_row(tx, parent)
+    row = own_row(tx, parent)
     if row is None:
         raise NotFound(
             f"parent session {parent} is not in this daemon's fleet", {"session_id": parent}
@@ -182,7 +192,7 @@ def insert_session(tx: Tx, params: SessionRegisterParams) -> str:
     """Insert one row; the caller's session id is kept, else one is minted."""
     session_id = params.session_id or str(uuid.uuid4())
     require_writable(tx, [session_id])
-    if _own_row(tx, session_id) is not None:
+    if own_row(tx, session_id) is not None:
         raise Conflict(f"session {session_id} is already registered", {"session_id": session_id})
     fields = {name: getattr(params, name) for name in SESSION_FIELDS}
     if fields["parent"] is not None:
@@ -234,10 +244,7 @@ def update_session(tx: Tx, caller: Caller, params: SessionUpdateParams) -> Sessi
     """Rewrite the given fields of one row; a new parent keeps the hierarchy one level deep."""
     session_id = params.session_id
     require_writable(tx, [session_id])
-    if _own_row(tx, session_id) is None:
-        raise NotFound(
-            f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
-        )
+    require_own_row(tx, session_id)
     fields = params.given_fields()
     if fields.get("parent") is not None:
         if fields["parent"] == session_id:
@@ -285,10 +292,7 @@ def remove_session(tx: Tx, caller: Caller, params: SessionIdParams) -> SessionRe
     """Delete one row; its sub-sessions become top-level."""
     session_id = params.session_id
     require_writable(tx, [session_id])
-    if _own_row(tx, session_id) is None:
-        raise NotFound(
-            f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
-        )
+    require_own_row(tx, session_id)
     tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
     note(tx, "fleet", FleetRemoved(session_id))
     children = [

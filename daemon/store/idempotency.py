@@ -27,6 +27,7 @@ from towerd.daemon.store.tx import (
     pack_canonical,
     take_page,
     unpack,
+    where,
 )
 from towerd.protocol.changes import IdemChanged, IdemExpired, idem_changed
 from towerd.protocol.errors import (
@@ -158,6 +159,13 @@ def _refuse_unsettled(row: _Row, caller: Holder | None) -> None:
         f"the outcome of key {record.key!r} of {record.operation!r} is unknown; its effect "
         "is never run again under this key: check the effect, then settle it with idem.resolve",
         {"effect_ref": record.effect_ref},
+    )
+
+
+def _refused(operation: str, key: str, why: str, **data: Any) -> Conflict:
+    """``conflict`` for a request this key's state does not allow: ``key 'k' of 'op' <why>``."""
+    return Conflict(
+        f"key {key!r} of {operation!r} {why}", {"operation": operation, "key": key, **data}
     )
 
 
@@ -307,10 +315,7 @@ def complete(tx: Tx, caller: Caller, params: IdemCompleteParams) -> IdemRecord:
     row = _require(tx, principal, operation, key)
     if row.record.state == COMPLETED:
         if pack_canonical(row.record.result) != pack_canonical(result):
-            raise Conflict(
-                f"key {key!r} of {operation!r} is already completed with a different result",
-                {"operation": operation, "key": key},
-            )
+            raise _refused(operation, key, "is already completed with a different result")
         return row.record
     return _set_state(tx, principal, row, COMPLETED, result)
 
@@ -320,10 +325,7 @@ def release(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemReleaseResult:
     principal, operation, key = caller.principal, params.operation, params.key
     row = _require(tx, principal, operation, key)
     if row.record.state == COMPLETED:
-        raise Conflict(
-            f"key {key!r} of {operation!r} is completed; a completed key is never released",
-            {"operation": operation, "key": key},
-        )
+        raise _refused(operation, key, "is completed; a completed key is never released")
     if row.record.state == OUTCOME_UNKNOWN:
         _refuse_unsettled(row, None)
     _delete(tx, principal, operation, key)
@@ -343,10 +345,7 @@ def mark_unknown(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemRecord:
     principal, operation, key = caller.principal, params.operation, params.key
     row = _require(tx, principal, operation, key)
     if row.record.state == COMPLETED:
-        raise Conflict(
-            f"key {key!r} of {operation!r} is completed; its outcome is known",
-            {"operation": operation, "key": key},
-        )
+        raise _refused(operation, key, "is completed; its outcome is known")
     if row.record.state == IN_PROGRESS:
         return _set_state(tx, principal, row, OUTCOME_UNKNOWN)
     return row.record
@@ -358,10 +357,12 @@ def resolve(tx: Tx, caller: Caller, params: IdemResolveParams) -> IdemResolveRes
     outcome, result = params.outcome, params.result
     row = _require(tx, principal, operation, key)
     if row.record.state != OUTCOME_UNKNOWN:
-        raise Conflict(
-            f"key {key!r} of {operation!r} is {row.record.state}; only an outcome_unknown key "
-            "is resolved (mark it unknown first if its holder is stuck)",
-            {"operation": operation, "key": key, "state": row.record.state},
+        raise _refused(
+            operation,
+            key,
+            f"is {row.record.state}; only an outcome_unknown key is resolved (mark it "
+            "unknown first if its holder is stuck)",
+            state=row.record.state,
         )
     record: IdemRecord | None = None
     if outcome == COMPLETED:
@@ -396,16 +397,19 @@ def reopen(tx: Tx, caller: Caller, params: IdemReopenParams) -> IdemReopenResult
             if record.state == OUTCOME_UNKNOWN
             else "wait for its claimant to finish"
         )
-        raise Conflict(
-            f"key {key!r} of {operation!r} is {record.state}; only a completed key is "
-            f"reopened: {advice}",
-            {"operation": operation, "key": key, "state": record.state},
+        raise _refused(
+            operation,
+            key,
+            f"is {record.state}; only a completed key is reopened: {advice}",
+            state=record.state,
         )
     if pack_canonical(record.result) != pack_canonical(result):
-        raise Conflict(
-            f"key {key!r} of {operation!r} holds another result than the one given; read "
-            "it again (idem.get) and reopen the outcome you mean",
-            {"operation": operation, "key": key, "result": record.result},
+        raise _refused(
+            operation,
+            key,
+            "holds another result than the one given; read it again (idem.get) and reopen "
+            "the outcome you mean",
+            result=record.result,
         )
     _delete(tx, principal, operation, key)
     log_operator_action(
@@ -435,18 +439,15 @@ def get(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemRecord:
 
 def list_keys(tx: Tx, caller: Caller, params: IdemListParams) -> IdemListResult:
     """The principal's keys in claim order, paged like ``fleet.list``."""
-    principal, state, operation = caller.principal, params.state, params.operation
     limit, cursor, byte_budget = params.limit, params.cursor, tx.config.page_bytes
-    clauses, args = ["principal = ?", "rowid > ?"], [principal, cursor or 0]
-    if state is not None:
-        clauses.append("state = ?")
-        args.append(state)
-    if operation is not None:
-        clauses.append("operation = ?")
-        args.append(operation)
+    clause, args = where(
+        ("principal = ?", caller.principal),
+        ("rowid > ?", cursor or 0),
+        state=params.state,
+        operation=params.operation,
+    )
     rows = tx.conn.execute(
-        f"SELECT rowid, {_RECORD_COLUMNS} FROM idempotency WHERE {' AND '.join(clauses)} "
-        "ORDER BY rowid LIMIT ?",
+        f"SELECT rowid, {_RECORD_COLUMNS} FROM idempotency {clause} ORDER BY rowid LIMIT ?",
         (*args, limit + 1),
     ).fetchall()
     keys, next_cursor = take_page(

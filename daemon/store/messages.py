@@ -17,7 +17,7 @@ import uuid
 
 import msgspec
 
-from towerd.daemon.store import quota
+from towerd.daemon.store import fleet, quota
 from towerd.daemon.store.idempotency import once_under_key
 from towerd.daemon.store.tx import Caller, Tx, fitted
 from towerd.protocol.errors import Conflict, NotFound
@@ -57,14 +57,7 @@ def send(tx: Tx, caller: Caller, params: SessionMessageParams) -> SessionMessage
 def _insert(
     tx: Tx, principal: str, session_id: str, text: str, quota_rows: int, *, keyed: bool = False
 ) -> str:
-    row = tx.conn.execute(
-        "SELECT agent_session_id FROM sessions WHERE session_id = ? AND daemon_id = ?",
-        (session_id, tx.daemon_id),
-    ).fetchone()
-    if row is None:
-        raise NotFound(
-            f"no session {session_id} in this daemon's fleet", {"session_id": session_id}
-        )
+    _parent, agent_session_id = fleet.require_own_row(tx, session_id)
     if keyed:  # the key is inserted after the message
         quota.require_room(tx, principal, "idempotency", quota_rows)
     quota.require_room(tx, principal, "messages", quota_rows)
@@ -72,7 +65,7 @@ def _insert(
     tx.conn.execute(
         f"""INSERT INTO messages ({_COLUMNS}, daemon_id, principal)
             VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)""",
-        (message_id, session_id, row[0], text, tx.now, tx.now, tx.daemon_id, principal),
+        (message_id, session_id, agent_session_id, text, tx.now, tx.now, tx.daemon_id, principal),
     )
     return message_id
 

@@ -122,6 +122,20 @@ def unpack(data: bytes | None) -> Any:
 
 T = TypeVar("T")
 
+
+def where(*conditions: tuple[str, Any], **equal: Any) -> tuple[str, list[Any]]:
+    """A listing's ``WHERE`` clause and its arguments: each ``(condition, argument)``
+    pair, then ``column = ?`` for each keyword filter the request gave (not None).
+    Column names come from the code, never from a request. ``""`` when nothing filters."""
+    clauses = [condition for condition, _ in conditions]
+    args = [argument for _, argument in conditions]
+    for column, value in equal.items():
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            args.append(value)
+    return (f"WHERE {' AND '.join(clauses)}" if clauses else ""), args
+
+
 PAGE_BYTES = DEFAULT_MAX_FRAME // 2  # default byte budget of one listing page
 
 

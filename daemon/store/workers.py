@@ -18,7 +18,7 @@ from msgspec.structs import asdict
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import audit
 from towerd.daemon.store.leases import describe_holder
-from towerd.daemon.store.tx import Caller, Tx, fitted
+from towerd.daemon.store.tx import Caller, Tx, fitted, where
 from towerd.protocol.errors import BadArgs, Conflict, NotFound
 from towerd.protocol.methods import (
     WorkerIdParams,
@@ -138,18 +138,13 @@ def stopping(tx: Tx, caller: Caller, params: WorkerIdParams) -> WorkerRecord:
 
 def list_workers(tx: Tx, caller: Caller, params: WorkerListParams) -> WorkerListResult:
     """Workers by status or project, cut to fit a frame (flagged ``truncated``)."""
-    status, project_root = params.status, params.project_root
-    where, args = [], []
-    if status is not None:
-        where.append("status = ?")
-        args.append(status)
-    if project_root is not None:
-        where.append("project_root = ?")
-        args.append(os.path.realpath(project_root))
+    project_root = params.project_root
+    clause, args = where(
+        status=params.status,
+        project_root=None if project_root is None else os.path.realpath(project_root),
+    )
     rows = tx.conn.execute(
-        f"SELECT {_COLUMNS} FROM workers"
-        + (f" WHERE {' AND '.join(where)}" if where else "")
-        + " ORDER BY registered_at, worker_id",
+        f"SELECT {_COLUMNS} FROM workers {clause} ORDER BY registered_at, worker_id",
         args,
     ).fetchall()
     listed = WorkerListResult(workers=[_record(row) for row in rows])
