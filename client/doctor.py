@@ -186,83 +186,77 @@ def _disk_findings(state_dir: Path) -> list[Finding]:
     ]
 
 
+def verdict(check: str, healthy: bool, *, ok: str, problem: str, fix: str, level: str) -> Finding:
+    """One check's finding: ``ok`` with its detail, or ``level`` with ``problem`` and ``fix``."""
+    return Finding(check, "ok", ok) if healthy else Finding(check, level, problem, fix)
+
+
+RESTORE_ADVICE = (
+    "stop towerd, keep a copy of the damaged file, and restore the latest backup "
+    "(`towerctl backup PATH` makes them)"
+)
+
+
+def _integrity(check: str, rows: list[str], fix: str, where: str = "") -> Finding:
+    return verdict(
+        "integrity", rows == ["ok"], ok=f"PRAGMA {check}: ok{where}",
+        problem=f"PRAGMA {check}: {'; '.join(rows[:5])}", fix=fix, level="error",
+    )  # fmt: skip
+
+
 def _database_findings(report: DoctorResult) -> list[Finding]:
-    findings = []
-    if report["integrity"] == ["ok"]:
-        findings.append(Finding("integrity", "ok", f"PRAGMA {report['check']}: ok"))
-    else:
-        findings.append(
-            Finding(
-                "integrity",
-                "error",
-                f"PRAGMA {report['check']}: {'; '.join(report['integrity'][:5])}",
-                "stop towerd, keep a copy of the damaged file, and restore the latest "
-                "backup (`towerctl backup PATH` makes them)",
-            )
-        )
-    if report["schema_version"] == report["supported_schema_version"]:
-        findings.append(Finding("schema", "ok", f"schema version {report['schema_version']}"))
-    else:
-        findings.append(
-            Finding(
-                "schema",
-                "error",
-                f"schema version {report['schema_version']}, this towerd supports "
-                f"{report['supported_schema_version']}",
-                "run the matching towerd version",
-            )
-        )
-    wal = report["wal_bytes"]
-    if wal > WAL_WARNING_BYTES:
-        findings.append(
-            Finding(
-                "wal",
-                "warning",
-                f"the WAL holds {wal // 1024} KiB",
-                "a long-running reader keeps it from being checkpointed; it shrinks at the "
-                "next checkpoint once that reader is gone",
-            )
-        )
-    else:
-        findings.append(Finding("wal", "ok", f"the WAL holds {wal // 1024} KiB"))
+    schema, supported = report["schema_version"], report["supported_schema_version"]
+    wal = f"the WAL holds {report['wal_bytes'] // 1024} KiB"
     unknown = report["keys"]["outcome_unknown"]
-    if unknown:
-        sample = ", ".join(
-            f"{key['operation']}/{key['key']} ({key['principal']})"
-            for key in report["unknown_keys"][:5]
-        )
-        findings.append(
-            Finding(
-                "outcome_unknown",
-                "warning",
-                f"{unknown} keys wait for a decision: {sample}",
-                "check whether each effect happened, then `towerctl --principal NAME idem "
-                "resolve OPERATION KEY --outcome completed --result JSON` (it did) or "
-                "`--outcome abandoned` (it did not); the principal is the part after "
-                "`uid:N:`",
-            )
-        )
-    else:
-        findings.append(Finding("outcome_unknown", "ok", "no key waits for a decision"))
+    unknown_sample = ", ".join(
+        f"{key['operation']}/{key['key']} ({key['principal']})"
+        for key in report["unknown_keys"][:5]
+    )
     uncertain = report.get("uncertain_effects") or []
-    if uncertain:
-        sample = ", ".join(
-            f"{e['action_kind']} {e['target_ref']} ({e['effect_key']}, run {e['run_id']})"
-            for e in uncertain[:5]
-        )
-        findings.append(
-            Finding(
-                "uncertain_effects",
-                "warning",
-                f"{len(uncertain)}{'+' if len(uncertain) >= 20 else ''} effects may or may "
-                f"not have happened: {sample}",
-                "check each in the outside world, then `towerctl effects resolve KEY "
-                "--outcome committed` (it happened) or `--outcome aborted` (it did not)",
-            )
-        )
-    else:
-        findings.append(Finding("uncertain_effects", "ok", "no effect waits for a decision"))
-    return findings
+    uncertain_sample = ", ".join(
+        f"{e['action_kind']} {e['target_ref']} ({e['effect_key']}, run {e['run_id']})"
+        for e in uncertain[:5]
+    )
+    return [
+        _integrity(report["check"], report["integrity"], RESTORE_ADVICE),
+        verdict(
+            "schema",
+            schema == supported,
+            ok=f"schema version {schema}",
+            problem=f"schema version {schema}, this towerd supports {supported}",
+            fix="run the matching towerd version",
+            level="error",
+        ),
+        verdict(
+            "wal",
+            report["wal_bytes"] <= WAL_WARNING_BYTES,
+            ok=wal,
+            problem=wal,
+            fix="a long-running reader keeps it from being checkpointed; it shrinks at the "
+            "next checkpoint once that reader is gone",
+            level="warning",
+        ),
+        verdict(
+            "outcome_unknown",
+            not unknown,
+            ok="no key waits for a decision",
+            problem=f"{unknown} keys wait for a decision: {unknown_sample}",
+            fix="check whether each effect happened, then `towerctl --principal NAME idem "
+            "resolve OPERATION KEY --outcome completed --result JSON` (it did) or "
+            "`--outcome abandoned` (it did not); the principal is the part after `uid:N:`",
+            level="warning",
+        ),
+        verdict(
+            "uncertain_effects",
+            not uncertain,
+            ok="no effect waits for a decision",
+            problem=f"{len(uncertain)}{'+' if len(uncertain) >= 20 else ''} effects may or "
+            f"may not have happened: {uncertain_sample}",
+            fix="check each in the outside world, then `towerctl effects resolve KEY "
+            "--outcome committed` (it happened) or `--outcome aborted` (it did not)",
+            level="warning",
+        ),
+    ]
 
 
 def _offline_database_findings(db_path: Path, full: bool) -> list[Finding]:
@@ -276,19 +270,10 @@ def _offline_database_findings(db_path: Path, full: bool) -> list[Finding]:
             conn.close()
     except sqlite3.DatabaseError as exc:
         return [Finding("integrity", "error", f"{db_path}: {exc}", "restore the latest backup")]
-    findings = [Finding("schema", "ok", f"schema version {version} (read offline)")]
-    if rows == ["ok"]:
-        findings.append(Finding("integrity", "ok", f"PRAGMA {check}: ok (read offline)"))
-    else:
-        findings.append(
-            Finding(
-                "integrity",
-                "error",
-                f"PRAGMA {check}: {'; '.join(rows[:5])}",
-                "restore the latest backup",
-            )
-        )
-    return findings
+    return [
+        Finding("schema", "ok", f"schema version {version} (read offline)"),
+        _integrity(check, rows, "restore the latest backup", " (read offline)"),
+    ]
 
 
 def render(result: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from towerd.client.cli.output import EXIT_EPILOG, UsageError, json_arg, table
-from towerd.client.cli.registry import Commands, arg
+from towerd.client.cli.registry import REPO, Commands, arg
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -144,13 +144,7 @@ COMMANDS.group("lock", "run a command holding a lock")
             metavar="S",
             help="seconds to wait for the lock (default: 30); then exit 121",
         ),
-        arg(
-            "--repo",
-            default=".",
-            metavar="PATH",
-            help="any path in the repository (default: .)",
-            local_path=True,
-        ),
+        REPO,
         arg(
             "--lease-ttl",
             type=int,

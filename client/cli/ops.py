@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from towerd.client.cli.output import LocalFailure, Unhealthy, UsageError
-from towerd.client.cli.registry import Commands, arg
+from towerd.client.cli.registry import REPO, Commands, arg
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -174,13 +174,7 @@ def render_branch_cleanup(result: dict[str, Any]) -> str:
         arg(
             "--remote", default=None, metavar="NAME", help="with --delete-remote (default: origin)"
         ),
-        arg(
-            "--repo",
-            default=".",
-            metavar="PATH",
-            help="any path in the repository (default: .)",
-            local_path=True,
-        ),
+        REPO,
     ],
     offline=True,
 )

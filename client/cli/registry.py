@@ -113,6 +113,16 @@ def arg(*names: str, local_path: bool = False, **options: Any) -> Arg:
     return Arg(names, options, local_path)
 
 
+# Options more than one group's commands take.
+REPO = arg(
+    "--repo",
+    default=".",
+    metavar="PATH",
+    help="any path in the repository (default: .)",
+    local_path=True,
+)
+
+
 class Command:
     """One command: the words that name it, its help, options, function and renderer.
     ``offline``: it runs without a client (``run`` gets None); ``raw``: it prints its own
