@@ -45,6 +45,27 @@ def packb(value: Any) -> bytes:
     return bytes(out)
 
 
+def _pack_size(
+    out: bytearray,
+    size: int,
+    fixed: int | None,
+    fixed_below: int,
+    code8: int | None,
+    code16: int,
+    code32: int,
+) -> None:
+    """The header of a str, bin, array or map of ``size``: the size in the type byte
+    (``fixed | size``) when below ``fixed_below``, else the smallest code that holds it."""
+    if fixed is not None and size < fixed_below:
+        out.append(fixed | size)
+    elif code8 is not None and size < 0x100:
+        out += _pack_into(">BB", code8, size)
+    elif size < 0x10000:
+        out += _pack_into(">BH", code16, size)
+    else:
+        out += _pack_into(">BI", code32, size)
+
+
 def _pack(value: Any, out: bytearray, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise MsgpackError("value nested too deeply")
@@ -58,48 +79,22 @@ def _pack(value: Any, out: bytearray, depth: int) -> None:
         _pack_int(value, out)
     elif type(value) is str:
         data = value.encode("utf-8")
-        size = len(data)
-        if size < 32:
-            out.append(0xA0 | size)
-        elif size < 0x100:
-            out += _pack_into(">BB", 0xD9, size)
-        elif size < 0x10000:
-            out += _pack_into(">BH", 0xDA, size)
-        else:
-            out += _pack_into(">BI", 0xDB, size)
+        _pack_size(out, len(data), 0xA0, 32, 0xD9, 0xDA, 0xDB)
         out += data
     elif isinstance(value, dict):
-        size = len(value)
-        if size < 16:
-            out.append(0x80 | size)
-        elif size < 0x10000:
-            out += _pack_into(">BH", 0xDE, size)
-        else:
-            out += _pack_into(">BI", 0xDF, size)
+        _pack_size(out, len(value), 0x80, 16, None, 0xDE, 0xDF)
         for key, item in value.items():
             _pack(key, out, depth + 1)
             _pack(item, out, depth + 1)
     elif isinstance(value, list | tuple):
-        size = len(value)
-        if size < 16:
-            out.append(0x90 | size)
-        elif size < 0x10000:
-            out += _pack_into(">BH", 0xDC, size)
-        else:
-            out += _pack_into(">BI", 0xDD, size)
+        _pack_size(out, len(value), 0x90, 16, None, 0xDC, 0xDD)
         for item in value:
             _pack(item, out, depth + 1)
     elif type(value) is float:
         out += _pack_into(">Bd", 0xCB, value)
     elif isinstance(value, bytes | bytearray | memoryview):
         data = bytes(value)
-        size = len(data)
-        if size < 0x100:
-            out += _pack_into(">BB", 0xC4, size)
-        elif size < 0x10000:
-            out += _pack_into(">BH", 0xC5, size)
-        else:
-            out += _pack_into(">BI", 0xC6, size)
+        _pack_size(out, len(data), None, 0, 0xC4, 0xC5, 0xC6)
         out += data
     elif isinstance(value, int):  # bool and int subclasses (IntEnum) land here
         _pack_int(int(value), out)
