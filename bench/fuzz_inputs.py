@@ -390,6 +390,11 @@ VETTED = frozenset(
         "kv.list",
         "event.record",
         "event.list",
+        "event.last_seen",
+        # the agent's loop: fleet rows, events and path leases in the daemon's own database
+        "hook.event",
+        "path.claim",
+        "path.release",
         "session.activity",
         "session.message",
         "message.list",

@@ -18,11 +18,13 @@ from towerd.client.results import (
     EffectClaimResult,
     EffectListResult,
     EffectRecord,
+    EventLastSeenResult,
     EventListResult,
     EventRecordResult,
     FleetAdoptResult,
     FleetListResult,
     FleetWriteResult,
+    HookEventResult,
     IdemClaimResult,
     IdemListResult,
     IdemRecord,
@@ -39,6 +41,8 @@ from towerd.client.results import (
     LegacyImportResult,
     MessageListResult,
     MessageRecord,
+    PathClaimResult,
+    PathReleaseResult,
     PingResult,
     RestorePlanResult,
     SessionActivityResult,
@@ -237,6 +241,33 @@ class AsyncAPI:
         agent_session_id: str | None = ...,
         payload: Any = ...,
     ) -> EventRecordResult: ...
+    async def event_last_seen(self) -> EventLastSeenResult: ...
+    async def hook_event(
+        self,
+        kind: str,
+        agent: str,
+        *,
+        session_id: str | None = ...,
+        agent_session_id: str | None = ...,
+        payload: Any = ...,
+        agent_pid: int | None = ...,
+        cwd: str | None = ...,
+        transcript_path: str | None = ...,
+        model: str | None = ...,
+        paths: Iterable[str] | None = ...,
+        guard: str | None = ...,
+    ) -> HookEventResult: ...
+    async def path_claim(
+        self,
+        paths: Iterable[str],
+        *,
+        session_id: str | None = ...,
+        agent_pid: int | None = ...,
+        ttl_ms: int | None = ...,
+    ) -> PathClaimResult: ...
+    async def path_release(
+        self, paths: Iterable[str], *, session_id: str | None = ..., agent_pid: int | None = ...
+    ) -> PathReleaseResult: ...
     async def event_list(
         self,
         *,

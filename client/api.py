@@ -28,11 +28,13 @@ if TYPE_CHECKING:  # annotations only: hooks import this module
         EffectClaimResult,
         EffectListResult,
         EffectRecord,
+        EventLastSeenResult,
         EventListResult,
         EventRecordResult,
         FleetAdoptResult,
         FleetListResult,
         FleetWriteResult,
+        HookEventResult,
         IdemClaimResult,
         IdemListResult,
         IdemRecord,
@@ -49,6 +51,8 @@ if TYPE_CHECKING:  # annotations only: hooks import this module
         LegacyImportResult,
         MessageListResult,
         MessageRecord,
+        PathClaimResult,
+        PathReleaseResult,
         PingResult,
         RestorePlanResult,
         SessionActivityResult,
@@ -490,6 +494,70 @@ class TowerdAPI:
             "event.record",
             _given(kind=kind, session_id=session_id, agent_session_id=agent_session_id)
             | {"payload": payload},
+        )
+
+    def event_last_seen(self) -> EventLastSeenResult:
+        """When each event kind last arrived, per agent (``towerctl hooks status``)."""
+        return self.call("event.last_seen")
+
+    def hook_event(
+        self,
+        kind: str,
+        agent: str,
+        *,
+        session_id: str | None = None,
+        agent_session_id: str | None = None,
+        payload: Any = None,
+        agent_pid: int | None = None,
+        cwd: str | None = None,
+        transcript_path: str | None = None,
+        model: str | None = None,
+        paths: Iterable[str] | None = None,
+        guard: str | None = None,
+    ) -> HookEventResult:
+        """One agent hook event (what ``towerctl hook`` sends): recorded, its session
+        registered or found, ``paths`` leased to it unless another session holds them
+        -> ``{"event_id", "at", "session_id", "decision", ...}``."""
+        return self.call(
+            "hook.event",
+            _given(
+                kind=kind,
+                agent=agent,
+                session_id=session_id,
+                agent_session_id=agent_session_id,
+                agent_pid=agent_pid,
+                cwd=cwd,
+                transcript_path=transcript_path,
+                model=model,
+                paths=None if paths is None else list(paths),
+                guard=guard,
+            )
+            | {"payload": payload},
+        )
+
+    def path_claim(
+        self,
+        paths: Iterable[str],
+        *,
+        session_id: str | None = None,
+        agent_pid: int | None = None,
+        ttl_ms: int | None = None,
+    ) -> PathClaimResult:
+        """Lease real paths (files or directories) to a session; ``LeaseHeld`` naming who
+        holds one if another session does (then none is leased)."""
+        return self.call(
+            "path.claim",
+            _given(session_id=session_id, agent_pid=agent_pid, ttl_ms=ttl_ms)
+            | {"paths": list(paths)},
+        )
+
+    def path_release(
+        self, paths: Iterable[str], *, session_id: str | None = None, agent_pid: int | None = None
+    ) -> PathReleaseResult:
+        """Release the path leases on these paths and below them (see docs/protocol.md)."""
+        return self.call(
+            "path.release",
+            _given(session_id=session_id, agent_pid=agent_pid) | {"paths": list(paths)},
         )
 
     def event_list(

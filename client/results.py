@@ -24,12 +24,15 @@ __all__ = [
     "EffectClaimResult",
     "EffectListResult",
     "EffectRecord",
+    "EventKindSeen",
+    "EventLastSeenResult",
     "EventListResult",
     "EventRecordResult",
     "FleetAdoptResult",
     "FleetListResult",
     "FleetWriteResult",
     "HelloResult",
+    "HookEventResult",
     "IdemClaimResult",
     "IdemListResult",
     "IdemRecord",
@@ -49,6 +52,10 @@ __all__ = [
     "LegacySkip",
     "MessageListResult",
     "MessageRecord",
+    "PathClaimResult",
+    "PathHolder",
+    "PathLease",
+    "PathReleaseResult",
     "PingResult",
     "ReconcileReport",
     "RestorePlanEntry",
@@ -207,6 +214,17 @@ class EffectRecord(TypedDict):
     holder_pid: int | None
 
 
+class EventKindSeen(TypedDict):
+    agent: str | None
+    kind: str
+    last_at: int
+    count: int
+
+
+class EventLastSeenResult(TypedDict):
+    kinds: list[EventKindSeen]
+
+
 class EventListResult(TypedDict):
     events: list[TrailEvent]
     next_before: int | None
@@ -248,6 +266,17 @@ class HelloResult(TypedDict):
     max_frame: int
     features: list[str]
     principal: str
+
+
+class HookEventResult(TypedDict):
+    event_id: int
+    at: int
+    session_id: str | None
+    decision: NotRequired[Literal["allow", "deny", "warn"]]
+    reason: NotRequired[str | None]
+    conflicts: NotRequired[list[PathHolder]]
+    leased: NotRequired[list[str]]
+    registered: NotRequired[bool]
 
 
 class IdemClaimResult(TypedDict):
@@ -339,6 +368,7 @@ class LeaseRecord(TypedDict):
     acquired_at: int
     renewed_at: int
     live: bool
+    session_id: str | None
 
 
 class LeaseReleaseResult(TypedDict):
@@ -378,6 +408,38 @@ class MessageRecord(TypedDict):
     status: Literal["delivered", "queued", "read"]
     created_at: int
     updated_at: int
+
+
+class PathClaimResult(TypedDict):
+    session_id: str
+    leases: list[PathLease]
+
+
+class PathHolder(TypedDict):
+    """A live path lease that stands in a caller's way."""
+
+    path: str
+    target: str
+    session_id: str | None
+    name: str | None
+    agent: str | None
+    cwd: str | None
+    holder: str
+    holder_pid: int | None
+    since: int
+    expires_at: int
+
+
+class PathLease(TypedDict):
+    path: str
+    resource: str
+    fencing_token: int
+    expires_at: int
+
+
+class PathReleaseResult(TypedDict):
+    released: list[str]
+    session_id: str | None
 
 
 class PingResult(TypedDict):
@@ -427,6 +489,7 @@ class SessionActivity(TypedDict):
     last_activity_at: int | None
     last_kind: str | None
     attention: Literal["done", "exited", "needs_you", "running"]
+    live: bool | None
 
 
 class SessionActivityResult(TypedDict):
@@ -470,6 +533,8 @@ class SessionRow(TypedDict):
     daemon_id: str
     owner_epoch: int
     updated_at: int
+    agent_pid: int | None
+    live: bool | None
 
 
 class ShutdownResult(TypedDict):

@@ -15,7 +15,11 @@ from towerd.daemon.server import DEFAULT_MAX_CONNECTIONS_PER_PROCESS, Limits
 from towerd.daemon.store import StoreConfig
 from towerd.daemon.watch import DEFAULT_MAX_QUEUED_BYTES
 from towerd.protocol import DEFAULT_MAX_FRAME, VERSION
-from towerd.protocol.methods import DEFAULT_EVENT_MAX_PAYLOAD, DEFAULT_KV_MAX_VALUE
+from towerd.protocol.methods import (
+    DEFAULT_EVENT_MAX_PAYLOAD,
+    DEFAULT_KV_MAX_VALUE,
+    DEFAULT_PATH_LEASE_TTL_MS,
+)
 from towerd.protocol.naming import DEFAULT_PREFIX
 from towerd.protocol.paths import default_socket_path, default_state_dir
 
@@ -114,6 +118,10 @@ class DaemonConfig:
         60.0, "--worker-ttl", "a worker whose last heartbeat is older is reaped as crashed "
         "(default 60)", "SECONDS", type=float,
     )  # fmt: skip
+    path_lease_ttl_seconds: float = option(
+        DEFAULT_PATH_LEASE_TTL_MS / 1000, "--path-lease-ttl", "a session's path lease lapses "
+        "this long after its last edit of the path (default 1800)", "SECONDS", type=float,
+    )  # fmt: skip
     retention_days: float = option(
         30.0, "--retention-days", "audit events, settled dispatches and ended workers older "
         "are pruned (30)", "DAYS", type=float,
@@ -171,6 +179,7 @@ class DaemonConfig:
             state_dir,
             completed_ttl_ms=int(self.completed_ttl_seconds * 1000),
             worker_ttl_ms=int(self.worker_ttl_seconds * 1000),
+            path_lease_ttl_ms=int(self.path_lease_ttl_seconds * 1000),
             retention_ms=int(self.retention_days * DAY_MS),
             event_retention_ms=int(self.event_retention_days * DAY_MS),
             events_per_session=self.events_per_session,

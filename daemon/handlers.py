@@ -31,6 +31,7 @@ from towerd.daemon.processes import holder_of, may_hold_for
 from towerd.daemon.read_cache import ReadCache
 from towerd.daemon.store import (
     Store,
+    agents,
     audit,
     dispatches,
     effects,
@@ -139,6 +140,7 @@ ROUTES: dict[str, Route] = {
     "kv.list": read(kv.list_values),
     "event.record": write(events.record),
     "event.list": read(events.list_events),
+    "event.last_seen": read(agents.last_seen),
     "session.activity": read(events.activity),
     "session.message": write(messages.send),
     "message.list": read(messages.list_messages),
@@ -172,6 +174,9 @@ class Handlers:
             "shutdown": self.shutdown,
             "fleet.get": self.fleet_get,
             "idem.claim": self.idem_claim,
+            "hook.event": self.hook_event,
+            "path.claim": self.path_claim,
+            "path.release": self.path_release,
             "idem.get": self.idem_get,
             "backup": self.backup,
             "doctor": self.doctor,
@@ -265,24 +270,33 @@ class Handlers:
     def idem_claim(self, caller: Caller, params: m.IdemClaimParams) -> Future[m.IdemClaimResult]:
         """The holder is the caller's process, or the process ``holder_pid`` names if it
         may hold for it (daemon/processes.py ``may_hold_for``)."""
-        claimant = caller
-        if params.holder_pid is not None:
-            holder = holder_of(params.holder_pid)
-            if holder is None:
-                raise BadArgs(f"holder_pid {params.holder_pid} is not a running process")
-            if not may_hold_for(caller.pid, params.holder_pid):
-                raise BadArgs(
-                    f"holder_pid {params.holder_pid} is not your process (pid {caller.pid}), "
-                    "an ancestor of it, or a descendant of it or of its parent, of your "
-                    "uid: an unrelated holder would keep the key in progress for as long "
-                    "as it runs; pass your shell's pid ($$), a child's ($!), or none",
-                    {"holder_pid": params.holder_pid, "caller_pid": caller.pid},
-                )
-            claimant = dataclasses.replace(caller, holder=holder)
+        claimant = _holding_for(caller, params.holder_pid, "holder_pid")
         claimed = self.store.write(idempotency.claim, claimant, params)
         if claimant.holder is not None and claimant.holder == caller.holder:
             claimed.add_done_callback(functools.partial(_note_own_claim, caller))
         return claimed
+
+    # --- the agent's loop: the agent process holds for its session -----------------------
+
+    def hook_event(self, caller: Caller, params: m.HookEventParams) -> Future[m.HookEventResult]:
+        """A hook names its agent process (``agent_pid``, an ancestor); one it may not
+        name is left out rather than the event refused (a hook must not fail)."""
+        try:
+            claimant = _holding_for(caller, params.agent_pid, "agent_pid")
+        except BadArgs:
+            params.agent_pid = None
+            claimant = caller
+        return self.store.write(agents.hook_event, claimant, params)
+
+    def path_claim(self, caller: Caller, params: m.PathClaimParams) -> Future[m.PathClaimResult]:
+        claimant = _holding_for(caller, params.agent_pid, "agent_pid")
+        return self.store.write(agents.claim, claimant, params)
+
+    def path_release(
+        self, caller: Caller, params: m.PathReleaseParams
+    ) -> Future[m.PathReleaseResult]:
+        claimant = _holding_for(caller, params.agent_pid, "agent_pid")
+        return self.store.write(agents.release, claimant, params)
 
     # --- watch and operator tools ----------------------------------------------------------
 
@@ -297,6 +311,24 @@ class Handlers:
 
     async def doctor(self, caller: Caller, params: m.DoctorParams) -> m.DoctorResult:
         return await self.store.on_own_connection(upkeep.health, params.full)
+
+
+def _holding_for(caller: Caller, pid: int | None, field: str) -> Caller:
+    """The caller, holding as the process ``pid`` if it names one it may hold for."""
+    if pid is None:
+        return caller
+    holder = holder_of(pid)
+    if holder is None:
+        raise BadArgs(f"{field} {pid} is not a running process")
+    if not may_hold_for(caller.pid, pid):
+        raise BadArgs(
+            f"{field} {pid} is not your process (pid {caller.pid}), "
+            "an ancestor of it, or a descendant of it or of its parent, of your "
+            "uid: an unrelated holder would keep the key in progress for as long "
+            "as it runs; pass your shell's pid ($$), a child's ($!), or none",
+            {field: pid, "caller_pid": caller.pid},
+        )
+    return dataclasses.replace(caller, holder=holder)
 
 
 def _note_own_claim(caller: Caller, claimed: Future[Any]) -> None:

@@ -148,12 +148,15 @@ class LivenessSweep:
             log.info("lease_released_holder_died", resource=resource)
         for effect_key in report.effects_parked:
             log.warning("effect_parked", code="effect_uncertain", effect_key=effect_key)
+        for session_id in report.sessions_gone:
+            log.info("agent_process_gone", session_id=session_id)
         return (
             len(report.keys_unknown)
             + len(report.keys_completed)
             + len(report.leases_released)
             + len(report.effects_parked)
             + len(report.workers_ended)
+            + len(report.sessions_gone)
         )
 
 

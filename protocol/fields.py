@@ -33,6 +33,10 @@ AUDIT_CATEGORIES = ("worker", "lease", "dispatch")
 MESSAGE_STATUSES = ("queued", "delivered", "read")
 ATTENTIONS = ("running", "needs_you", "done", "exited")
 WATCH_TOPICS = ("fleet", "events", "idem", "leases", "effects", "dispatch")
+AGENTS = ("claude", "codex")  # the agents whose hooks ``towerctl hook`` reads
+GUARD_POLICIES = ("deny", "warn", "off")  # what a hook does when another session holds a path
+HOOK_DECISIONS = ("allow", "deny", "warn")  # what ``hook.event`` answers a guarded tool call
+PATH_LEASE_PREFIX = "path:"  # a path lease's resource is this and the real path
 EFFECT_STATUSES = ("in_flight", "committed", "failed", "aborted", "uncertain")
 
 MAX_EVENT_KIND = 64  # characters of an event kind (a hook's hook_event_name)

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
+from towerd.protocol.schema.agents import *  # noqa: F403 - re-exported: one namespace for every message
 from towerd.protocol.schema.base import *  # noqa: F403 - re-exported: one namespace for every message
 from towerd.protocol.schema.daemon import *  # noqa: F403 - re-exported: one namespace for every message
 from towerd.protocol.schema.dispatch import *  # noqa: F403 - re-exported: one namespace for every message
@@ -126,6 +127,14 @@ METHODS: dict[str, MethodSpec] = {
     "kv.list": MethodSpec(KvListParams, KvListResult, False, "a scope's values"),
     "event.record": MethodSpec(EventRecordParams, EventRecordResult, True, "record one hook event"),
     "event.list": MethodSpec(EventListParams, EventListResult, False, "the event trail, paged"),
+    "event.last_seen": MethodSpec(
+        Empty, EventLastSeenResult, False, "when each event kind last arrived, per agent"
+    ),
+    "hook.event": MethodSpec(
+        HookEventParams, HookEventResult, True, "an agent hook: its event, session, path leases"
+    ),
+    "path.claim": MethodSpec(PathClaimParams, PathClaimResult, True, "lease paths to a session"),
+    "path.release": MethodSpec(PathReleaseParams, PathReleaseResult, True, "give path leases back"),
     "session.activity": MethodSpec(
         SessionActivityParams, SessionActivityResult, False, "last activity and attention"
     ),
@@ -144,7 +153,7 @@ METHODS: dict[str, MethodSpec] = {
 
 FEATURES = [
     "fleet", "idempotency", "pipelining", "paging", "leases", "effects", "workers", "dispatch",
-    "audit", "kv", "events", "messages", "watch", "restore_plan",
+    "audit", "kv", "events", "messages", "watch", "restore_plan", "agent_hooks", "path_leases",
 ]  # fmt: skip
 
 

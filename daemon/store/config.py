@@ -12,6 +12,7 @@ from towerd.protocol.framing import DEFAULT_MAX_FRAME
 from towerd.protocol.methods import (
     DEFAULT_EVENT_MAX_PAYLOAD,
     DEFAULT_KV_MAX_VALUE,
+    DEFAULT_PATH_LEASE_TTL_MS,
     DEFAULT_WORKER_TTL_MS,
 )
 from towerd.protocol.naming import DEFAULT_PREFIX as DEFAULT_BRANCH_PREFIX
@@ -24,6 +25,7 @@ class StoreConfig:
     state_dir: Path = Path()
     completed_ttl_ms: int = DAY_MS
     worker_ttl_ms: int = DEFAULT_WORKER_TTL_MS  # a worker silent this long is reaped
+    path_lease_ttl_ms: int = DEFAULT_PATH_LEASE_TTL_MS  # idle time before a path lease lapses
     retention_ms: int = 30 * DAY_MS  # audit events, settled dispatches, ended workers
     event_retention_ms: int = 30 * DAY_MS  # hook events
     events_per_session: int = 5000  # hook events kept per session, newest first

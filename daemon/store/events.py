@@ -183,17 +183,25 @@ def activity(tx: Tx, caller: Caller, params: SessionActivityParams) -> SessionAc
 
 def activity_of(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:
     rows = tx.conn.execute(
-        "SELECT session_id, agent_session_id, exited FROM sessions WHERE daemon_id = ? "
+        "SELECT session_id, agent_session_id, exited, live FROM sessions WHERE daemon_id = ? "
         "ORDER BY rowid",
         (tx.daemon_id,),
     ).fetchall()
     wanted = None if session_ids is None else set(session_ids)
     sessions = []
-    for session_id, agent_session_id, exited in rows:
+    for session_id, agent_session_id, exited, live in rows:
         if wanted is not None and session_id not in wanted:
             continue
         newest, kind = _latest(tx, session_id, agent_session_id)
-        sessions.append(SessionActivity(session_id, newest, kind, attention(bool(exited), kind)))
+        sessions.append(
+            SessionActivity(
+                session_id,
+                newest,
+                kind,
+                attention(bool(exited), kind),
+                None if live is None else bool(live),
+            )  # fmt: skip
+        )
     return SessionActivityResult(sessions=sessions)
 
 

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from towerd.daemon.processes import Holder
 from towerd.daemon.store import quota
 from towerd.daemon.store.idempotency import log_operator_action, once_under_key
 from towerd.daemon.store.reconcile import settle
@@ -36,13 +37,15 @@ from towerd.protocol.methods import (
     SessionUpdateParams,
 )
 
-ROW_COLUMNS = ("session_id", *SESSION_FIELDS, "daemon_id", "owner_epoch", "updated_at")
+_WRITTEN_COLUMNS = ("session_id", *SESSION_FIELDS, "daemon_id", "owner_epoch", "updated_at")
+AGENT_COLUMNS = ("agent_pid", "live")  # kept by hooks (store/agents.py) and the sweep
+ROW_COLUMNS = (*_WRITTEN_COLUMNS, *AGENT_COLUMNS)
 _SELECT_ROW = f"SELECT {', '.join(ROW_COLUMNS)} FROM sessions"
-_BOOLEAN_FIELDS = frozenset({"pinned", "exited"})
+_BOOLEAN_FIELDS = frozenset({"pinned", "exited", "live"})
 _SQLITE_MAX_VARIABLES = 500  # stay far below SQLite's limit when chunking IN (...)
 
 
-_PINNED, _EXITED = ROW_COLUMNS.index("pinned"), ROW_COLUMNS.index("exited")
+_PINNED, _EXITED, _LIVE = (ROW_COLUMNS.index(name) for name in ("pinned", "exited", "live"))
 assert ROW_COLUMNS == SessionRow.__struct_fields__, "SELECT order must match SessionRow"
 
 
@@ -51,11 +54,13 @@ def row_from_sql(values: Sequence[Any]) -> SessionRow:
     fields = list(values)
     fields[_PINNED] = bool(fields[_PINNED])
     fields[_EXITED] = bool(fields[_EXITED])
+    if fields[_LIVE] is not None:
+        fields[_LIVE] = bool(fields[_LIVE])
     return SessionRow(*fields)
 
 
 def _sql_value(name: str, value: Any) -> Any:
-    return int(value) if name in _BOOLEAN_FIELDS else value
+    return int(value) if name in _BOOLEAN_FIELDS and value is not None else value
 
 
 def _chunks(items: Sequence[str]) -> Iterable[Sequence[str]]:
@@ -212,8 +217,8 @@ def _noted(tx: Tx, session_id: str) -> None:
 
 def _insert_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
     tx.conn.execute(
-        f"INSERT INTO sessions ({', '.join(ROW_COLUMNS)}) "
-        f"VALUES ({', '.join('?' * len(ROW_COLUMNS))})",
+        f"INSERT INTO sessions ({', '.join(_WRITTEN_COLUMNS)}) "
+        f"VALUES ({', '.join('?' * len(_WRITTEN_COLUMNS))})",
         (
             session_id,
             *(_sql_value(name, fields[name]) for name in SESSION_FIELDS),
@@ -238,6 +243,11 @@ def _update_row(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
         ),
     )
     _noted(tx, session_id)
+
+
+def update_fields(tx: Tx, session_id: str, fields: dict[str, Any]) -> None:
+    """Rewrite ``fields`` of one of this daemon's rows (checked writable by the caller)."""
+    _update_row(tx, session_id, fields)
 
 
 def update_session(tx: Tx, caller: Caller, params: SessionUpdateParams) -> SessionRow:
@@ -286,6 +296,79 @@ def set_exited(tx: Tx, session_id: str, exited: bool) -> None:
         return
     require_writable(tx, [session_id])
     _update_row(tx, session_id, {"exited": exited})
+
+
+# --- the agent process (towerctl hook, the holder sweep) ---------------------------------
+
+
+def agent_holder(tx: Tx, session_id: str) -> Holder | None:
+    """The session's agent process while it is known to run."""
+    row = tx.conn.execute(
+        "SELECT agent_pid, agent_start FROM sessions WHERE session_id = ? AND live = 1",
+        (session_id,),
+    ).fetchone()
+    return None if row is None else Holder(*row)
+
+
+def bind_agent(tx: Tx, session_id: str, holder: Holder, *, naming: bool) -> None:
+    """``holder`` is the session's agent process (and runs); ``naming``: its SessionStart
+    names this session its current one. Written only when something changes."""
+    row = tx.conn.execute(
+        "SELECT agent_pid, agent_start, live FROM sessions WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    if row is None:
+        return
+    changed = tuple(row) != (holder.pid, holder.start, 1)
+    if not changed and not naming:
+        return
+    tx.conn.execute(
+        """UPDATE sessions SET agent_pid = ?, agent_start = ?, live = 1,
+               agent_named_at = CASE WHEN ? OR agent_named_at IS NULL OR ? THEN ?
+                                     ELSE agent_named_at END
+           WHERE session_id = ?""",
+        (holder.pid, holder.start, naming, changed, tx.now, session_id),
+    )
+    if changed:
+        _noted(tx, session_id)
+
+
+def session_of_agent(tx: Tx, holder: Holder) -> str | None:
+    """The session the agent process ``holder`` runs now: its most recent SessionStart's."""
+    row = tx.conn.execute(
+        """SELECT session_id FROM sessions
+           WHERE agent_pid = ? AND agent_start = ? AND daemon_id = ?
+           ORDER BY agent_named_at DESC, rowid DESC LIMIT 1""",
+        (holder.pid, holder.start, tx.daemon_id),
+    ).fetchone()
+    return None if row is None else row[0]
+
+
+def agent_holders(tx: Tx) -> list[Holder]:
+    """The agent processes of sessions shown live."""
+    return [
+        Holder(pid, start)
+        for pid, start in tx.conn.execute(
+            "SELECT DISTINCT agent_pid, agent_start FROM sessions WHERE live = 1"
+        )
+    ]
+
+
+def agents_gone(tx: Tx, dead: Iterable[Holder]) -> list[str]:
+    """Sessions whose agent process died are no longer live (not exited: a session that
+    did not end is what a restore brings back)."""
+    gone: list[str] = []
+    for holder in dead:
+        gone += [
+            row[0]
+            for row in tx.conn.execute(
+                """UPDATE sessions SET live = 0
+                   WHERE agent_pid = ? AND agent_start = ? AND live = 1 RETURNING session_id""",
+                (holder.pid, holder.start),
+            ).fetchall()
+        ]
+    for session_id in gone:
+        _noted(tx, session_id)
+    return gone
 
 
 def remove_session(tx: Tx, caller: Caller, params: SessionIdParams) -> SessionRemoveResult:

@@ -39,7 +39,7 @@ from towerd.protocol.methods import (
 
 _COLUMNS = (
     "resource, fencing_token, principal, holder_pid, holder_start, acquired_at, renewed_at, "
-    "expires_at"
+    "expires_at, session_id"
 )
 
 
@@ -52,6 +52,7 @@ class Lease:
     acquired_at: int
     renewed_at: int
     expires_at: int
+    session_id: str | None = None  # the agent session a path lease is held for
 
     def held_by(self, principal: str, holder: Holder | None) -> bool:
         return self.principal == principal and self.holder == holder
@@ -70,6 +71,7 @@ class Lease:
             acquired_at=self.acquired_at,
             renewed_at=self.renewed_at,
             live=self.live(now),
+            session_id=self.session_id,
         )
 
 
@@ -83,9 +85,9 @@ def load(tx: Tx, resource: str) -> Lease | None:
     ).fetchone()
     if row is None:
         return None
-    resource, token, principal, pid, start, acquired, renewed, expires = row
+    resource, token, principal, pid, start, acquired, renewed, expires, session_id = row
     holder = None if pid is None or start is None else Holder(pid, start)
-    return Lease(resource, token, principal, holder, acquired, renewed, expires)
+    return Lease(resource, token, principal, holder, acquired, renewed, expires, session_id)
 
 
 def _token_record(tx: Tx, resource: str) -> int | None:
@@ -171,8 +173,76 @@ def acquire(tx: Tx, caller: Caller, params: LeaseAcquireParams) -> LeaseAcquireR
     )
 
 
+def grant_for_session(
+    tx: Tx, principal: str, holder: Holder | None, session_id: str, resource: str, ttl_ms: int
+) -> tuple[int, int]:
+    """(token, expires_at) of ``resource``'s lease for an agent session: a live lease of
+    the session (or of its agent process: one agent, a new session after ``/clear``) is
+    renewed under its token and passes to the session; otherwise a new token is granted.
+    The caller has checked that no other live holder is in the way."""
+    current = load(tx, resource)
+    expires_at = tx.now + ttl_ms
+    if current is not None and current.live(tx.now):
+        tx.conn.execute(
+            "UPDATE leases SET renewed_at = ?, expires_at = ?, session_id = ? WHERE resource = ?",
+            (tx.now, expires_at, session_id, resource),
+        )
+        return current.token, expires_at
+    _require_room(tx, principal, resource, current, tx.config.quota_rows)
+    token = _issue_token(tx, resource, principal)
+    _write(tx, resource, token, principal, holder, expires_at, session_id)
+    _audit(
+        tx, "lease-granted", resource, token, principal, holder, session_id=session_id,
+        expires_at=expires_at, previous_token=current.token if current else None,
+    )  # fmt: skip
+    return token, expires_at
+
+
+def live_in_the_way(tx: Tx, resources: list[str], below: str) -> list[Lease]:
+    """The live leases on any of ``resources``, or on a resource below ``below`` (a
+    directory's path lease resource, ``path:/dir``: the range is ``path:/dir/...``)."""
+    marks = ", ".join("?" * len(resources))
+    rows = tx.conn.execute(
+        f"""SELECT resource FROM leases WHERE resource IN ({marks}) AND expires_at > ?
+            UNION SELECT resource FROM leases
+            WHERE resource > ? AND resource < ? AND expires_at > ?""",
+        (*resources, tx.now, below + "/", below + "0", tx.now),  # '0' follows '/'
+    ).fetchall()
+    found = [load(tx, resource) for (resource,) in rows]
+    return [lease for lease in found if lease is not None and lease.live(tx.now)]
+
+
+def release_matching(
+    tx: Tx, leases_to_go: list[Lease], reason: str, actor: str | None = None
+) -> list[str]:
+    """Release these leases (a session's path leases: it ended, or someone said so)."""
+    for lease in leases_to_go:
+        tx.conn.execute(
+            "DELETE FROM leases WHERE resource = ? AND fencing_token = ?",
+            (lease.resource, lease.token),
+        )
+        _audit(
+            tx, "lease-released", lease.resource, lease.token, lease.principal, lease.holder,
+            actor=actor, reason=reason, session_id=lease.session_id,
+        )  # fmt: skip
+    return [lease.resource for lease in leases_to_go]
+
+
+def held_for_session(tx: Tx, session_id: str) -> list[Lease]:
+    rows = tx.conn.execute(
+        "SELECT resource FROM leases WHERE session_id = ?", (session_id,)
+    ).fetchall()
+    return [lease for (resource,) in rows if (lease := load(tx, resource)) is not None]
+
+
 def _write(
-    tx: Tx, resource: str, token: int, principal: str, holder: Holder | None, expires_at: int
+    tx: Tx,
+    resource: str,
+    token: int,
+    principal: str,
+    holder: Holder | None,
+    expires_at: int,
+    session_id: str | None = None,
 ) -> None:
     """The lease row, replacing a lapsed one: deleted, then inserted, so the quota
     counters' triggers see both (REPLACE fires delete triggers only with
@@ -180,7 +250,7 @@ def _write(
     tx.conn.execute("DELETE FROM leases WHERE resource = ?", (resource,))
     tx.conn.execute(
         f"""INSERT INTO leases ({_COLUMNS}, daemon_id)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
         (
             resource,
             token,
@@ -190,6 +260,7 @@ def _write(
             tx.now,
             tx.now,
             expires_at,
+            session_id,
             tx.daemon_id,
         ),
     )

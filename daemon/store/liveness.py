@@ -1,5 +1,6 @@
 """What dies with a process: the keys it held turn unknown (or complete from evidence),
-its leases are released at once, its shared in-flight effects are parked uncertain,
+its leases are released at once (an agent's path leases too, and its sessions are no
+longer live), its shared in-flight effects are parked uncertain,
 and a worker it ran is ended with its active dispatches canceled. Effects that went
 silent past their timeout are parked the same way, and workers whose heartbeat is
 older than the worker TTL are reaped as crashed though their process may live."""
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from towerd.daemon.processes import Holder
-from towerd.daemon.store import dispatches, effects, idempotency, leases, workers
+from towerd.daemon.store import dispatches, effects, fleet, idempotency, leases, workers
 from towerd.daemon.store.reconcile import settle_dead_holders
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.methods import DEFAULT_WORKER_TTL_MS
@@ -23,6 +24,7 @@ class LivenessReport:
     effects_parked: list[str] = field(default_factory=list)
     workers_ended: list[workers.Ended] = field(default_factory=list)
     dispatches_canceled: list[int] = field(default_factory=list)
+    sessions_gone: list[str] = field(default_factory=list)  # their agent process died
 
 
 def to_check(tx: Tx, worker_ttl_ms: int = DEFAULT_WORKER_TTL_MS) -> tuple[list[Holder], bool]:
@@ -33,6 +35,7 @@ def to_check(tx: Tx, worker_ttl_ms: int = DEFAULT_WORKER_TTL_MS) -> tuple[list[H
         *leases.holders(tx),
         *effects.holders(tx),
         *workers.open_holders(tx),
+        *fleet.agent_holders(tx),
     }
     silent = tx.conn.execute(
         """SELECT 1 FROM effects WHERE status = 'in_flight' AND heartbeat_at + timeout_ms <= ?
@@ -66,4 +69,5 @@ def settle(
         keys_completed=keys.completed,
         leases_released=leases_released + leases.release_dead_holders(tx, dead),
         effects_parked=effects.park_stale(tx, dead),
+        sessions_gone=fleet.agents_gone(tx, dead),
     )

@@ -28,7 +28,7 @@ from towerd.daemon.private_paths import StartRefused
 log = structlog.get_logger("towerd.store")
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 # The tables whose rows a principal can create without bound, each counted per principal
@@ -336,6 +336,25 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX messages_by_created ON messages (created_at)",
             """CREATE INDEX effects_settled ON effects (completed_at)
                WHERE status IN ('committed', 'failed', 'aborted')""",
+        ),
+    ),
+    Migration(
+        7,
+        "agent sessions from hooks: a session's agent process, path leases by session",
+        (
+            # The agent process (pid + start time) whose hooks report the session, when
+            # its most recent SessionStart named it, and whether it still runs (NULL:
+            # towerd knows no agent process for the row).
+            "ALTER TABLE sessions ADD COLUMN agent_pid INTEGER",
+            "ALTER TABLE sessions ADD COLUMN agent_start INTEGER",
+            "ALTER TABLE sessions ADD COLUMN agent_named_at INTEGER",
+            "ALTER TABLE sessions ADD COLUMN live INTEGER CHECK (live IN (0, 1))",
+            """CREATE INDEX sessions_by_agent_process ON sessions (agent_pid, agent_start)
+               WHERE agent_pid IS NOT NULL""",
+            "CREATE INDEX sessions_live ON sessions (live) WHERE live = 1",
+            # The session a lease (a path lease) is held for.
+            "ALTER TABLE leases ADD COLUMN session_id TEXT",
+            "CREATE INDEX leases_by_session ON leases (session_id) WHERE session_id IS NOT NULL",
         ),
     ),
 )

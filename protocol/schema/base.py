@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     Attention = str
     MessageStatus = str
     WatchTopic = str
+    Agent = str
+    GuardPolicy = str
+    HookDecision = str
 else:
     IdemState = Literal[fields.IDEM_STATES]
     ActionKind = Literal[naming.ACTION_KINDS]
@@ -34,6 +37,9 @@ else:
     Attention = Literal[fields.ATTENTIONS]
     MessageStatus = Literal[fields.MESSAGE_STATUSES]
     WatchTopic = Literal[fields.WATCH_TOPICS]
+    Agent = Literal[fields.AGENTS]
+    GuardPolicy = Literal[fields.GUARD_POLICIES]
+    HookDecision = Literal[fields.HOOK_DECISIONS]
 
 
 # --- shared field types ------------------------------------------------------

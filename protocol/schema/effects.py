@@ -53,6 +53,7 @@ class LeaseRecord(Struct):
     acquired_at: Millis
     renewed_at: Millis
     live: bool
+    session_id: str | None = None  # the agent session a path lease is held for
 
 
 class LeaseAcquireResult(Struct):

@@ -43,6 +43,10 @@ class SessionRow(Struct):
     daemon_id: str
     owner_epoch: int
     updated_at: Millis
+    # The agent process its hooks report from (towerctl hook), and whether it still
+    # runs; both None when towerd knows no agent process for the session.
+    agent_pid: int | None = None
+    live: bool | None = None
 
 
 class SessionFields(Struct, kw_only=True):
@@ -187,5 +191,5 @@ class FleetAdoptResult(Struct):
 
 # One declaration of the session fields: the Structs that spell them out again agree.
 assert SessionFields.__struct_fields__ == SESSION_FIELDS
-assert SessionRow.__struct_fields__[1:-3] == SESSION_FIELDS
+assert SessionRow.__struct_fields__[1:-5] == SESSION_FIELDS
 assert SessionUpdateParams.__struct_fields__[1:] == SESSION_FIELDS

@@ -79,6 +79,7 @@ class SessionActivity(Struct):
     last_activity_at: Millis | None  # newest event, heartbeats included
     last_kind: str | None  # newest event that is not a heartbeat
     attention: Attention
+    live: bool | None = None  # its agent process runs (None: towerd knows no agent process)
 
 
 class SessionActivityResult(Struct, omit_defaults=True):

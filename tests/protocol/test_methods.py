@@ -41,7 +41,11 @@ def build(info: mi.Type, salt: int = 0) -> Any:
         return build(non_null[0], salt) if non_null else None
     if isinstance(info, mi.StrType):
         if info.pattern is not None:
-            samples = {m.UUID_PATTERN: SAMPLE_UUID, "^eff_[0-9a-f]{16}$": "eff_0123456789abcdef"}
+            samples = {
+                m.UUID_PATTERN: SAMPLE_UUID,
+                "^eff_[0-9a-f]{16}$": "eff_0123456789abcdef",
+                "^/": f"/s{salt}",  # an absolute path
+            }
             assert info.pattern in samples, info.pattern
             return samples[info.pattern]
         text = f"/s{salt}"  # a leading slash also makes it a valid absolute path
@@ -131,6 +135,9 @@ def test_method_table_is_closed_and_consistent() -> None:
         "idem.mark_unknown",
         "idem.resolve",
         "idem.reopen",
+        "hook.event",
+        "path.claim",
+        "path.release",
         "lease.acquire",
         "lease.renew",
         "lease.release",

@@ -66,6 +66,24 @@ async def register(store: Store, **fields: Any) -> str:
     return await store.write(fleet.insert_session, register_params(**fields))
 
 
+async def register_old_row(store: Store, **fields: Any) -> str:
+    """Insert one fleet row with the first schema's columns only, in SQL: what the code
+    of an older schema version wrote (today's code selects columns it did not have)."""
+    session_id = str(uuid.uuid4())
+    fields = {"cwd": "/work", "agent": "claude", **fields}
+
+    def insert(tx: Tx) -> None:
+        names = ", ".join(fields)
+        tx.conn.execute(
+            f"INSERT INTO sessions (session_id, {names}, daemon_id, owner_epoch, updated_at) "
+            f"VALUES (?, {', '.join('?' * len(fields))}, ?, ?, ?)",
+            (session_id, *fields.values(), tx.daemon_id, tx.owner_epoch, tx.now),
+        )
+
+    await store.write(insert)
+    return session_id
+
+
 def entry(session_id: str, **fields: Any) -> SessionEntry:
     fields.setdefault("cwd", "/work")
     fields.setdefault("agent", "claude")

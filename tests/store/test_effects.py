@@ -184,7 +184,11 @@ async def effect_rows(store: Store) -> list[tuple[Any, ...]]:
 
 
 async def lease_rows(store: Store) -> list[tuple[Any, ...]]:
-    return await sql(store, "SELECT * FROM leases ORDER BY resource")
+    return await sql(
+        store,
+        "SELECT resource, fencing_token, principal, holder_pid, holder_start, acquired_at, "
+        "renewed_at, expires_at, daemon_id FROM leases ORDER BY resource",
+    )
 
 
 async def counters(store: Store) -> dict[str, int]:

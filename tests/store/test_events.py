@@ -29,6 +29,7 @@ from store_helpers import (
     opened,
     query,
     register,
+    register_old_row,
     register_params,
     state_dir,
 )
@@ -912,7 +913,7 @@ async def test_a_version_4_database_migrates_to_version_5(
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:4])
     monkeypatch.setattr(schema, "SCHEMA_VERSION", 4)
     async with opened(short_tmp) as store:
-        kept = await register(store, agent_session_id="as-old")
+        kept = await register_old_row(store, agent_session_id="as-old")
     monkeypatch.undo()
     assert query(short_tmp, "PRAGMA user_version") == [(4,)]
     tables = {row[0] for row in query(short_tmp, "SELECT name FROM sqlite_master")}

@@ -20,7 +20,18 @@ from typing import Any
 import msgspec
 import pytest
 
-from store_helpers import DEAD, LIVE, at, caller, db_path, opened, query, register, state_dir
+from store_helpers import (
+    DEAD,
+    LIVE,
+    at,
+    caller,
+    db_path,
+    opened,
+    query,
+    register,
+    register_old_row,
+    state_dir,
+)
 from towerd.daemon import maintenance
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import (
@@ -179,7 +190,7 @@ async def test_a_version_5_database_migrates_keeping_rows_and_counting_them(
     # The version-5 code never switched auto_vacuum.
     monkeypatch.setattr(schema, "use_incremental_vacuum", lambda conn, path: False, raising=False)
     async with opened(short_tmp) as store:
-        session = await register(store, agent_session_id="as-1")
+        session = await register_old_row(store, agent_session_id="as-1")
         daemon_id = store.daemon_id
     monkeypatch.undo()
     assert query(short_tmp, "PRAGMA user_version") == [(5,)]
@@ -247,7 +258,7 @@ async def test_a_version_5_database_migrates_keeping_rows_and_counting_them(
         lease = LeaseAcquireParams("T", 60_000)
         granted = await store.write(call(leases.acquire, B, lease, LIVE, quota_rows=10))
         assert granted.fencing_token == 8
-    assert query(short_tmp, "PRAGMA user_version") == [(6,)]
+    assert query(short_tmp, "PRAGMA user_version") == [(schema.SCHEMA_VERSION,)]
     assert query(short_tmp, "PRAGMA auto_vacuum") == [(2,)]
     with closing(sqlite3.connect(db_path(short_tmp))) as conn:
         assert schema.shape_of(conn) == schema.expected_shape()

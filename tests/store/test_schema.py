@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from store_helpers import db_path, execute, opened, query, register, state_dir
+from store_helpers import db_path, execute, opened, query, register, register_old_row, state_dir
 from towerd.daemon.private_paths import StartRefused
 from towerd.daemon.store import reconcile, schema
 
@@ -37,10 +37,11 @@ def private_file(path: Path, content: bytes = b"") -> None:
 
 
 async def populated(root: Path, rows: int = 0) -> None:
-    """A real towerd database, closed again, with ``rows`` fleet rows."""
+    """A real towerd database, closed again, with ``rows`` fleet rows (of the first
+    schema's columns: the ladder test makes a version-1 file with it)."""
     async with opened(root) as store:
         for n in range(rows):
-            await register(store, name=f"row-{n}-" + "x" * 200, prompt="p" * 300)
+            await register_old_row(store, name=f"row-{n}-" + "x" * 200, prompt="p" * 300)
 
 
 async def refused(root: Path) -> StartRefused:

@@ -1,0 +1,163 @@
+"""The agent's loop in the store (daemon/store/agents.py): sessions from hooks, the agent
+process as liveness, and the path-lease rules, on a real SQLite file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, opened, register
+from towerd.daemon.processes import Holder
+from towerd.daemon.store import Store, agents, fleet, liveness
+from towerd.protocol.errors import LeaseHeld, NotFound
+from towerd.protocol.methods import (
+    DEFAULT_PATH_LEASE_TTL_MS,
+    HookEventParams,
+    HookEventResult,
+    PathClaimParams,
+    PathReleaseParams,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+async def hook(
+    store: Store,
+    kind: str,
+    agent_session_id: str,
+    holder: Holder | None = LIVE,
+    shift_ms: int = 0,
+    **fields: Any,
+) -> HookEventResult:
+    fields.setdefault("cwd", "/w")
+    params = HookEventParams(
+        kind=kind,
+        agent="claude",
+        agent_session_id=agent_session_id,
+        agent_pid=holder.pid if holder else None,
+        **fields,
+    )
+    return await store.write(at(shift_ms, agents.hook_event), caller(holder=holder), params)
+
+
+async def edit(store: Store, agent_session_id: str, *paths: str, **kwargs: Any) -> HookEventResult:
+    return await hook(store, "PreToolUse", agent_session_id, paths=list(paths), **kwargs)
+
+
+async def row(store: Store, session_id: str) -> Any:
+    return await store.read(lambda tx: fleet.get_session(tx, session_id))
+
+
+async def test_session_start_registers_once_and_binds_the_agent(short_tmp: Path) -> None:
+    async with opened(short_tmp) as store:
+        first = await hook(store, "SessionStart", "as-1", model="opus", transcript_path="/t")
+        again = await hook(store, "SessionStart", "as-1")
+        assert first.registered and not again.registered
+        assert first.session_id == again.session_id
+        stored = await row(store, first.session_id)
+        assert (stored.agent, stored.cwd, stored.model, stored.transcript_path) == (
+            "claude", "/w", "opus", "/t",
+        )  # fmt: skip
+        assert (stored.agent_pid, stored.live) == (LIVE.pid, True)
+        assert await store.read(lambda tx: fleet.count_sessions(tx)) == 1
+
+
+async def test_session_end_is_not_registered_and_ends_a_known_session(short_tmp: Path) -> None:
+    async with opened(short_tmp) as store:
+        unknown = await hook(store, "SessionEnd", "as-never")
+        assert unknown.session_id is None and not unknown.registered
+        started = await hook(store, "SessionStart", "as-1")
+        await edit(store, "as-1", "/w/a.py")
+        await hook(store, "SessionEnd", "as-1")
+        assert (await row(store, started.session_id)).exited is True
+        # Its lease went with it: another session (another process) takes the file.
+        assert (await edit(store, "as-2", "/w/a.py", holder=OTHER_LIVE)).decision == "allow"
+
+
+async def test_in_the_way_above_and_below_but_not_beside(short_tmp: Path) -> None:
+    async with opened(short_tmp) as store:
+        await hook(store, "SessionStart", "as-a")
+        await hook(store, "SessionStart", "as-b", holder=OTHER_LIVE)
+        claimed = await store.write(
+            agents.claim, caller(holder=LIVE), PathClaimParams(["/w/src"], agent_pid=LIVE.pid)
+        )
+        assert [lease.path for lease in claimed.leases] == ["/w/src"]
+        for path in ("/w/src", "/w/src/deep/x.py"):  # the directory, and below it
+            denied = await edit(store, "as-b", path, holder=OTHER_LIVE)
+            assert denied.decision == "deny" and denied.conflicts[0].path == "/w/src", path
+        for path in ("/w/srcx.py", "/w/sr", "/w/other/src"):  # beside it
+            assert (await edit(store, "as-b", path, holder=OTHER_LIVE)).decision == "allow", path
+        # A directory above a held file is in the way of a directory claim.
+        with pytest.raises(LeaseHeld) as caught:
+            await store.write(
+                agents.claim, caller(holder=OTHER_LIVE),
+                PathClaimParams(["/w"], agent_pid=OTHER_LIVE.pid),
+            )  # fmt: skip
+        assert {c["path"] for c in caught.value.data["conflicts"]} == {"/w/src"}
+
+
+async def test_deny_leases_nothing_warn_leases_the_free_paths(short_tmp: Path) -> None:
+    async with opened(short_tmp) as store:
+        await edit(store, "as-a", "/w/a.py")
+        denied = await edit(store, "as-b", "/w/a.py", "/w/b.py", holder=OTHER_LIVE)
+        assert denied.decision == "deny" and denied.leased == []
+        assert "towerctl release /w/a.py" in (denied.reason or "")
+        assert (await edit(store, "as-c", "/w/b.py", holder=None)).decision == "allow"
+        warned = await edit(store, "as-d", "/w/a.py", "/w/c.py", holder=None, guard="warn")
+        assert (warned.decision, warned.leased) == ("warn", ["/w/c.py"])
+        off = await edit(store, "as-e", "/w/a.py", holder=None, guard="off")
+        assert (off.decision, off.leased) == ("allow", [])
+
+
+async def test_a_dead_agent_is_in_nobodys_way_and_the_sweep_ends_its_liveness(
+    short_tmp: Path,
+) -> None:
+    async with opened(short_tmp) as store:
+        gone = await hook(store, "SessionStart", "as-dead", holder=DEAD)
+        await edit(store, "as-dead", "/w/a.py", holder=DEAD)
+        # Even before a sweep, a lease whose holder died stands in nobody's way.
+        assert (await edit(store, "as-b", "/w/a.py", holder=OTHER_LIVE)).decision == "allow"
+        report = await store.write(liveness.settle, [DEAD])
+        assert report.sessions_gone == [gone.session_id]
+        stored = await row(store, gone.session_id)
+        assert (stored.live, stored.exited) == (False, False)
+
+
+async def test_a_path_lease_lapses_its_ttl_after_the_last_edit(short_tmp: Path) -> None:
+    ttl = DEFAULT_PATH_LEASE_TTL_MS
+    async with opened(short_tmp) as store:
+        await edit(store, "as-a", "/w/a.py")
+        await edit(store, "as-a", "/w/a.py", shift_ms=ttl - 1000)  # renewed by an edit
+        held = await edit(store, "as-b", "/w/a.py", holder=OTHER_LIVE, shift_ms=ttl + 1000)
+        assert held.decision == "deny"
+        lapsed = await edit(store, "as-b", "/w/a.py", holder=OTHER_LIVE, shift_ms=2 * ttl)
+        assert lapsed.decision == "allow"
+
+
+async def test_one_agent_process_after_clear_is_one_holder(short_tmp: Path) -> None:
+    async with opened(short_tmp) as store:
+        first = await hook(store, "SessionStart", "as-1")
+        await edit(store, "as-1", "/w/a.py")
+        second = await hook(store, "SessionStart", "as-2", shift_ms=10)
+        moved = await edit(store, "as-2", "/w/a.py", shift_ms=20)
+        assert moved.decision == "allow" and moved.session_id == second.session_id
+        released = await store.write(
+            agents.release, caller(holder=LIVE), PathReleaseParams(["/w"], agent_pid=LIVE.pid)
+        )
+        assert (released.session_id, released.released) == (second.session_id, ["/w/a.py"])
+        assert first.session_id != second.session_id
+
+
+async def test_a_claim_needs_a_session(short_tmp: Path) -> None:
+    async with opened(short_tmp) as store:
+        with pytest.raises(NotFound):
+            await store.write(
+                agents.claim, caller(holder=LIVE), PathClaimParams(["/w"], agent_pid=LIVE.pid)
+            )
+        registered = await register(store)
+        claimed = await store.write(
+            agents.claim, caller(), PathClaimParams(["/w"], session_id=registered)
+        )
+        assert claimed.session_id == registered
