@@ -25,12 +25,17 @@ checked on every run):
   it records one event per run;
 * the same with no daemon: TOWERD_SOCKET names a socket path nobody listens on
   (hook-report must then be quick and silent);
+* ``towerctl hook --agent claude`` (what ``hooks install`` wires) fed a Claude Code
+  PreToolUse of an Edit: allowed (the file is free: its path lease is taken, then
+  renewed by every run) and denied (another live session, whose agent process is
+  another process, holds the file: the deny decision is printed);
 * for reference, the same hook-report run as ``python -c 'from
   towerd.client.hook_report import report; report()'``: without towerctl's CLI
   module (argparse and the rest), what a dedicated entry point would cost.
 
 Prints median, p90, p95 and min, the ratio of each median to the floor's, the
-targets (the hook process within 1.25x the floor; against the write floor too),
+targets (the hook process within 1.25x the floor; against the write floor too; the
+guard's allowed path within 1.3x hook-report's),
 and for towerctl, the python -c client and hook-report the imports that cost
 the most (one ``-X importtime`` run).
 """
@@ -58,6 +63,7 @@ from towerd.client import Client
 PYTHON = sys.executable  # the venv's interpreter: run this as .venv/bin/python bench/oneshot.py
 TOWERCTL = str(Path(PYTHON).parent / "towerctl")
 TARGET = 1.25  # the one-shot hook process: wall time at most this many times the floor's
+GUARD_TARGET = 1.3  # towerctl hook's allowed edit: at most this many times hook-report's
 
 FLOOR_SCRIPT = """\
 import socket
@@ -107,6 +113,28 @@ HOOK_EVENT = {
     },
     "tool_use_id": "toolu_01Fz7cPq2RkLw9nV5tYb3Ah6",
 }
+
+
+EDITOR_SESSION = "9b2e4f10-6c3d-4a8e-b7f1-2d5c8e0a4b63"  # the agent whose edits are guarded
+HOLDER_SESSION = "5d1c7a2e-3f4b-4e6a-8c9d-0b1a2f3e4d5c"  # the one holding the denied file
+
+
+def edit_event(path: str) -> dict[str, object]:
+    """What Claude Code hands a PreToolUse hook before an Edit of ``path``."""
+    return {
+        "session_id": EDITOR_SESSION,
+        "transcript_path": f"/home/dev/.claude/projects/-home-dev-src-app/{EDITOR_SESSION}.jsonl",
+        "cwd": str(Path(path).parent),
+        "permission_mode": "default",
+        "hook_event_name": "PreToolUse",
+        "tool_name": "Edit",
+        "tool_input": {
+            "file_path": path,
+            "old_string": "def parse(text):\n    return text.split()\n",
+            "new_string": "def parse(text: str) -> list[str]:\n    return text.split()\n",
+        },
+        "tool_use_id": "toolu_01Hq8dRr3SlMx0oW6uZc4Bi7",
+    }
 
 
 def frame(value: object) -> bytes:
@@ -225,6 +253,26 @@ def main() -> None:
         write_floor_script.write_text(
             FLOOR_SCRIPT.format(path=sock, hello=hello, request=record, needle=b"\xa8event_id")
         )
+        # The guard: a file nobody holds, and one another session's agent (a child of
+        # this process, so that it may be named) holds.
+        free_file, held_file = workdir / "free.py", workdir / "held.py"
+        holder_agent = subprocess.Popen(["sleep", "3600"])
+        with Client(sock) as client:
+            client.hook_event(
+                "SessionStart", "claude", agent_session_id=HOLDER_SESSION,
+                agent_pid=holder_agent.pid, cwd=str(workdir),
+            )  # fmt: skip
+            holder = client.fleet_list()["sessions"][-1]["session_id"]
+            client.path_claim([str(held_file)], session_id=holder)
+        guard_env = {"TOWERD_SOCKET": sock}
+        allowed_stdin = json.dumps(edit_event(str(free_file))).encode()
+        denied_stdin = json.dumps(edit_event(str(held_file))).encode()
+        guard_argv = [TOWERCTL, "hook", "--agent", "claude"]
+        denied_output = subprocess.run(
+            guard_argv, input=denied_stdin, capture_output=True, env={**os.environ, **guard_env}
+        ).stdout
+        if b'"permissionDecision": "deny"' not in denied_output:
+            raise SystemExit(f"towerctl hook did not deny the held file: {denied_output!r}")
         client_code = f"from towerd.client import Client; Client({sock!r}).ping()"
         hook_stdin = json.dumps(HOOK_EVENT).encode()
         hook_env = {"TOWERD_SOCKET": sock, "TOWERD_SESSION_ID": session}
@@ -246,6 +294,8 @@ def main() -> None:
             hook_stdin,
             hook_env,
         )
+        allowed = Command("towerctl hook, Edit allowed", guard_argv, allowed_stdin, guard_env)
+        denied = Command("towerctl hook, Edit denied", guard_argv, denied_stdin, guard_env)
         commands = [
             floor,
             Command("floor, python -I -S", [PYTHON, "-I", "-S", str(floor_script)]),
@@ -256,6 +306,8 @@ def main() -> None:
             hook,
             no_daemon,
             lean,
+            allowed,
+            denied,
         ]
         for command in commands:
             for _ in range(warmups):
@@ -296,6 +348,10 @@ def main() -> None:
         print("\n".join(import_costs([TOWERCTL, "--socket", sock, "ping"], env)))
         print("python -c Client().ping():")
         print("\n".join(import_costs(["-c", client_code], env)))
+        print("towerctl hook, Edit allowed:")
+        print(
+            "\n".join(import_costs([TOWERCTL, "hook"], {**env, **guard_env}, stdin=allowed_stdin))
+        )
         print("towerctl hook-report:")
         print(
             "\n".join(
@@ -304,9 +360,12 @@ def main() -> None:
         )
 
         print()
-        for command in (commands[3], commands[4], hook, no_daemon, lean):
+        for command in (commands[3], commands[4], hook, no_daemon, lean, allowed, denied):
             ratio = command.median / floor.median
-            bar = "the hook process" if command is hook else "same bar, for reference"
+            bar = (
+                "the hook process" if command in (hook, allowed, denied)
+                else "same bar, for reference"
+            )  # fmt: skip
             print(
                 f"target: one-shot {command.name} ({bar}) median <= {TARGET}x the stdlib floor: "
                 f"measured {ratio:.2f}x ({command.median:.1f} / {floor.median:.1f} ms) -> "
@@ -318,6 +377,13 @@ def main() -> None:
             f"event.record from a stdlib script): measured {ratio:.2f}x ({hook.median:.1f} / "
             f"{write_floor.median:.1f} ms) -> {'met' if ratio <= TARGET else 'NOT met'}"
         )
+        ratio = allowed.median / hook.median
+        print(
+            f"target: towerctl hook, Edit allowed, median <= {GUARD_TARGET}x hook-report's: "
+            f"measured {ratio:.2f}x ({allowed.median:.1f} / {hook.median:.1f} ms) -> "
+            f"{'met' if ratio <= GUARD_TARGET else 'NOT met'}"
+        )
+        holder_agent.kill()
         ok = True
     finally:
         if daemon.proc is not None and daemon.proc.poll() is None:

@@ -39,10 +39,12 @@ def examine(
     socket_path = socket_path or Path(default_socket_path())
     findings: list[Finding] = []
     report: DoctorResult | None = None
+    last_seen: list[Any] | None = None
     try:
         with Client(socket_path, principal=principal, timeout=60) as client:
             status = client.status()
             report = client.doctor(full=full)
+            last_seen = _last_seen(client)
         findings.append(
             Finding(
                 "daemon",
@@ -89,6 +91,7 @@ def examine(
         findings += _database_findings(report)
     elif db_path.exists():
         findings += _offline_database_findings(db_path, full)
+    findings += _hooks_findings(last_seen)
     return {
         "ok": all(finding.status == "ok" for finding in findings),
         "findings": [asdict(finding) for finding in findings],
@@ -189,6 +192,40 @@ def _disk_findings(state_dir: Path) -> list[Finding]:
 def verdict(check: str, healthy: bool, *, ok: str, problem: str, fix: str, level: str) -> Finding:
     """One check's finding: ``ok`` with its detail, or ``level`` with ``problem`` and ``fix``."""
     return Finding(check, "ok", ok) if healthy else Finding(check, level, problem, fix)
+
+
+def _last_seen(client: Client) -> list[Any] | None:
+    """When each event kind last arrived, per agent; None from a daemon that cannot say
+    (one older than ``event.last_seen``): the hooks findings then go without it."""
+    try:
+        return list(client.event_last_seen()["kinds"])
+    except TowerdError:
+        return None
+
+
+def _hooks_findings(last_seen: list[Any] | None) -> list[Finding]:
+    """One finding per agent, from ``towerctl hooks status``'s verdict (user scope, and
+    the current directory's project). Hooks not installed is information, not a fault:
+    towerd works without them."""
+    from towerd.client.agents import AGENTS
+    from towerd.client.hooks_install import STATES, hooks_status
+
+    try:
+        agents = hooks_status(AGENTS, None, last_seen)["agents"]
+    except OSError as exc:  # the current directory is gone, say
+        return [Finding("hooks", "warning", f"hooks not checked: {exc}", "run doctor elsewhere")]
+    findings = []
+    for agent, found in agents.items():
+        level = STATES[found["state"]]
+        detail = f"{found['state']}: {found['detail']}"
+        if found["state"] == "not_installed":
+            detail += f" (`towerctl hooks install --agent {agent}` wires them)"
+        check = f"hooks {agent}"
+        fix = found["fix"]
+        findings.append(
+            verdict(check, level == "ok", ok=detail, problem=detail, fix=fix, level=level)
+        )
+    return findings
 
 
 RESTORE_ADVICE = (

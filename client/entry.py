@@ -1,10 +1,11 @@
-"""``towerctl``'s entry point. Every agent hook runs ``towerctl hook-report``, so that
-command is recognised here and run without loading the CLI (argparse and the command
+"""``towerctl``'s entry point. Every agent hook runs ``towerctl hook`` (or the older
+``towerctl hook-report``), so those commands are recognised here and run without loading
+the CLI (argparse and the command
 declarations cost about 3 ms a hook); everything else goes to the parser of
 ``towerd.client.cli.app``. This is the one place that shortcut is taken.
 
 :func:`scan` is towerctl's one reader of the command line short of argparse: this module
-uses it to spot ``hook-report``, the CLI to build only the parser of the command named
+uses it to spot the hook commands, the CLI to build only the parser of the command named
 and to know, when argparse refuses the line, whether the error is to be JSON.
 """
 
@@ -54,19 +55,28 @@ def scan(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return words, given
 
 
-def hook_report_socket(argv: list[str]) -> tuple[bool, str | None]:
-    """(is this ``hook-report`` run as a hook, i.e. without ``--help``?, its ``--socket``)."""
+HOOK_COMMANDS = ("hook", "hook-report")  # run inside agents, without the CLI
+
+
+def hook_command(argv: list[str]) -> tuple[str | None, str | None]:
+    """(``hook`` or ``hook-report`` when run as a hook, i.e. without ``--help``, else
+    None; its ``--socket``)."""
     words, given = scan(argv)
-    is_hook = words[:1] == ["hook-report"] and "--help" not in given
-    return is_hook, given.get("--socket") if is_hook else None
+    if words[:1] and words[0] in HOOK_COMMANDS and "--help" not in given:
+        return words[0], given.get("--socket")
+    return None, None
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run towerctl on ``argv`` (default: the process's arguments) and exit."""
     argv = sys.argv[1:] if argv is None else argv
-    is_hook, socket_path = hook_report_socket(argv)
-    if is_hook:
-        # Silent and exit 0 whatever follows on the command line: it runs inside agents.
+    command, socket_path = hook_command(argv)
+    # Silent and exit 0 whatever follows on the command line: they run inside agents.
+    if command == "hook":
+        from towerd.client.agent_hook import run
+
+        sys.exit(run(argv))
+    if command == "hook-report":
         from towerd.client.hook_report import report
 
         sys.exit(report(socket_path=socket_path))

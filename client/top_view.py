@@ -93,6 +93,11 @@ def selectable(snapshot: dict[str, Any]) -> list[Item]:
     return items
 
 
+def _agent_gone(session: dict[str, Any]) -> bool:
+    """Its agent process died without the session ending (what a restore brings back)."""
+    return session.get("live") is False and not session.get("exited")
+
+
 def attention_of(session: dict[str, Any], activity: dict[str, Any] | None) -> str:
     if activity is not None:
         return str(activity["attention"])
@@ -429,7 +434,10 @@ def _fleet_panel(view: View, width: int, max_rows: int | None) -> Panel:
             label,
             name,
             session.get("agent") or "-",
-            Text(state.replace("_", " "), style=style),
+            Text(
+                state.replace("_", " ") + (", agent gone" if _agent_gone(session) else ""),
+                style=style,
+            ),
             ago((act or {}).get("last_activity_at"), now),
             (act or {}).get("last_kind") or "-",
             session.get("model") or "-",

@@ -192,24 +192,33 @@ def _repository_with_a_remote(root: Path, env: dict[str, str]) -> tuple[Path, Pa
     return work, remote
 
 
-def test_hook_configuration_uses_absolute_paths():
-    """Hooks run with the agent's PATH: every hook command names towerctl by an absolute
-    path, or its events are lost."""
-    (snippet,) = [
-        body for heading, lang, body in fenced_blocks() if lang == "json" and "Hooks" in heading
+def test_the_agent_section_starts_with_hooks_install_and_its_commands_work(tmp_path: Path):
+    """ "Use with Claude Code and Codex" opens with ``towerctl hooks install``; pasted into a
+    fresh shell (a fresh $HOME, no daemon), its commands succeed and wire towerd's hook by
+    an absolute path: hooks run with the agent's PATH, where a venv's towerctl is not."""
+    (heading, lang, snippet), *_ = [
+        block for block in fenced_blocks() if block[0] == "## Use with Claude Code and Codex"
     ]
-    config = json.loads(snippet)
-    commands = [
+    commands = [line.split("#")[0].strip() for line in snippet.splitlines() if line.strip()]
+    assert lang == "sh" and shlex.split(commands[0])[1:3] == ["hooks", "install"], commands
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "TOWERD_SOCKET": str(tmp_path / "no.sock")}
+    for command in commands:
+        done = subprocess.run(command, shell=True, cwd=ROOT, env=env, capture_output=True)
+        assert done.returncode == 0, (command, done)
+    settings = json.loads((home / ".claude" / "settings.json").read_text())
+    wired = [
         hook["command"]
-        for entries in config["hooks"].values()
+        for entries in settings["hooks"].values()
         for entry in entries
         for hook in entry["hooks"]
     ]
-    assert len(commands) == 5
-    for command in commands:
+    assert len(wired) >= 9
+    for command in wired:
         program, *arguments = shlex.split(command)
         assert os.path.isabs(program) and program.endswith("/towerctl"), command
-        assert arguments == ["hook-report"], command
+        assert arguments[:1] == ["hook"], command
 
 
 FIGURE = re.compile(r"(\d[\d,]*(?:\.\d+)?)(?:x| ms| MiB| s\b| ops/s| req/s)")

@@ -53,9 +53,10 @@ COMMAND_GROUPS = {
     "idem": "idem",
     "backup": "ops", "doctor": "ops", "install-systemd": "ops", "branch": "ops",
     "run": "effects", "effect": "effects", "lock": "effects", "effects": "effects",
-    "leases": "effects",
+    "leases": "effects", "claim": "paths", "release": "paths",
     "kv": "dispatch", "workers": "dispatch", "dispatch": "dispatch", "audit": "dispatch",
-    "hook-report": "trail", "events": "trail", "message": "trail", "top": "trail",
+    "hook": "trail", "hook-report": "trail", "events": "trail", "message": "trail", "top": "trail",
+    "hooks": "hooks",
 }  # fmt: skip
 
 
@@ -172,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     except (TowerdError, LocalFailure) as exc:
         print_error(exc, as_json=args.json)
+        if isinstance(exc, LocalFailure):
+            return exc.exit_status
         return EXIT_UNAVAILABLE if isinstance(exc, Unavailable) else EXIT_ERROR
     if args.json:
         print_json(result)

@@ -229,6 +229,7 @@ def render_leases(result: dict[str, Any]) -> str:
             ("resource", "RESOURCE"),
             ("fencing_token", "TOKEN"),
             ("holder", "HOLDER"),
+            ("session_id", "SESSION"),
             ("acquired_at", "ACQUIRED"),
             ("expires_at", "EXPIRES"),
         ],

@@ -33,6 +33,7 @@ def render_fleet(result: dict[str, Any]) -> str:
             ("parent", "PARENT"),
             ("pinned", "PINNED"),
             ("exited", "EXITED"),
+            ("live", "LIVE"),
             ("cwd", "CWD"),
             ("updated_at", "UPDATED"),
         ],

@@ -40,11 +40,18 @@ class UsageError(Exception):
 
 class LocalFailure(Exception):
     """An offline command failed on this machine (no daemon involved): reported like a
-    daemon error, ``code``, ``message``, ``data``; exit 1."""
+    daemon error, ``code``, ``message``, ``data``; exit ``exit_status`` (default 1)."""
 
-    def __init__(self, code: str, message: str, data: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        data: dict[str, Any] | None = None,
+        exit_status: int = EXIT_ERROR,
+    ) -> None:
         super().__init__(message)
         self.code, self.message, self.data = code, message, data or {}
+        self.exit_status = exit_status
 
     def to_wire(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "data": self.data}

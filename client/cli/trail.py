@@ -1,16 +1,17 @@
-"""What agents leave behind and what is left for them: ``hook-report``, ``events
+"""What agents leave behind and what is left for them: ``hook``, ``hook-report``, ``events
 list|tail``, ``message send|list|ack``, and the ``top`` dashboard.
 
-``hook-report`` is declared here for ``towerctl --help`` and ``hook-report --help``: run
-as a hook, it never gets here (towerd.client.entry runs it without a parser).
+``hook`` and ``hook-report`` are declared here for ``towerctl --help`` and their
+``--help``: run as a hook, neither gets here (towerd.client.entry runs it without a parser).
 ``events tail`` and ``top`` import their modules when run (``top`` pulls in rich).
 """
 
 from __future__ import annotations
 
+from towerd.client.agents import DEFAULT_GUARD
 from towerd.client.cli.output import table
 from towerd.client.cli.registry import Commands, arg
-from towerd.protocol.fields import MESSAGE_STATUSES
+from towerd.protocol.fields import AGENTS, GUARD_POLICIES, MESSAGE_STATUSES
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -33,6 +34,30 @@ def cmd_hook_report(_client: None, args: argparse.Namespace) -> int:
     from towerd.client.hook_report import report
 
     return report(socket_path=args.socket)
+
+
+@COMMANDS.command(
+    "hook",
+    help="what `towerctl hooks install` wires into an agent: record the hook's JSON (stdin), "
+    "keep the fleet, guard edits with path leases; run as a hook (without --help) it always "
+    "exits 0 and prints nothing but a deny decision",
+    offline=True,
+    raw=True,
+    options=[
+        arg("--agent", choices=AGENTS, default="claude", help="whose hook this is"),
+        arg(
+            "--guard",
+            choices=GUARD_POLICIES,
+            default=DEFAULT_GUARD,
+            help="another session holds the path: deny the edit (default), warn, or off",
+        ),
+    ],  # fmt: skip
+)
+def cmd_hook(_client: None, args: argparse.Namespace) -> int:
+    from towerd.client.agent_hook import run
+
+    socket = ["--socket", args.socket] if args.socket else []
+    return run(["--agent", args.agent, "--guard", args.guard, *socket])
 
 
 # --- events ------------------------------------------------------------------------------

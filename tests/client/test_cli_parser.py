@@ -92,6 +92,7 @@ def test_the_lean_parser_parses_like_the_full_one(path):
         ("events", "tail"): ["--kind", "Notification"],
         ("message", "send"): ["s", "hello", "--key", "k1"], ("message", "list"): ["s"],
         ("message", "ack"): ["m", "--status", "delivered"], ("top",): ["--refresh", "0.5"],
+        ("claim",): ["src", "a.py", "--ttl", "2h"], ("release",): ["a.py", "--session", "s"],
     }  # fmt: skip
     argv = ["--json", *path, *samples.get(path, ["o", "k"] if path[0] == "idem" else [])]
     if path == ("idem", "list"):
@@ -163,16 +164,20 @@ def test_bad_new_command_lines_are_usage_errors(argv, capsys):
         (["hook-report", "--help"], (False, None)),
         (["--json", "hook-report", "-h"], (False, None)),
         (["run", "--key", "k", "--", "hook-report"], (False, None)),
+        # towerctl hook, with its own options, likewise.
+        (["hook", "--agent", "codex", "--guard", "warn"], ("hook", None)),
+        (["hook", "--agent=claude", "--socket", "/v"], ("hook", "/v")),
+        (["hook", "--help"], (False, None)),
+        (["hooks", "status"], (False, None)),
     ],
 )
-def test_the_entry_point_spots_hook_report_before_loading_the_cli(argv, expected):
-    from towerd.client.entry import hook_report_socket
+def test_the_entry_point_spots_the_hook_commands_before_loading_the_cli(argv, expected):
+    from towerd.client.entry import hook_command
 
-    is_hook, socket_path = hook_report_socket(argv)
-    assert (is_hook, socket_path if is_hook else None) == (
-        expected[0],
-        expected[1] if expected[0] else None,
-    )
+    command, socket_path = hook_command(argv)
+    is_hook = expected[0] is not False
+    want = ("hook-report" if expected[0] is True else expected[0]) if is_hook else None
+    assert (command, socket_path if command else None) == (want, expected[1] if is_hook else None)
 
 
 @pytest.mark.parametrize(

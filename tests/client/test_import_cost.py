@@ -98,3 +98,27 @@ def test_hook_report_imports_only_the_json_scanner_beyond_towerctl(daemon):
     assert not [m for m in extras if m.startswith("towerd.client.cli")]  # no parser at all
     assert {m for m in extras if not m.startswith("towerd")} <= HOOK_EXTRAS
     assert not [m for m in extras if m.split(".")[0] in FORBIDDEN]
+
+
+def test_the_hook_command_imports_no_more_than_hook_report(daemon, tmp_path):
+    """`towerctl hook` (what `hooks install` wires), on a PreToolUse Edit that it leases:
+    hook-report's modules and towerd's small agent declarations, nothing else."""
+    payload = {
+        "session_id": "import-cost", "cwd": str(tmp_path), "hook_event_name": "PreToolUse",
+        "tool_name": "Edit", "tool_input": {"file_path": "a.py"},
+    }  # fmt: skip
+    import json
+
+    extras = extras_over_floor(
+        daemon,
+        [TOWERCTL, "hook", "--agent", "claude"],
+        stdin=json.dumps(payload),
+        TOWERD_SOCKET=str(daemon.socket_path),
+    )
+    with daemon.client() as client:
+        leased = [lease["resource"] for lease in client.lease_list()["leases"]]
+    assert leased == [f"path:{os.path.realpath(tmp_path / 'a.py')}"]  # the run did its work
+    assert {"towerd.client.agent_hook", "towerd.client.agents", "towerd.client.sync"} <= extras
+    assert not [m for m in extras if m.startswith("towerd.client.cli")]
+    assert {m for m in extras if not m.startswith("towerd")} <= HOOK_EXTRAS
+    assert not [m for m in extras if m.split(".")[0] in FORBIDDEN]

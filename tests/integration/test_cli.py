@@ -256,6 +256,7 @@ def test_fleet_list_and_get(daemon):
         "PARENT",
         "PINNED",
         "EXITED",
+        "LIVE",
         "CWD",
         "UPDATED",
     ]

@@ -632,7 +632,7 @@ def test_leases_and_effects_list_text_and_json(daemon):
         listed = towerctl(daemon, "leases")
         assert listed.returncode == 0
         header, row = listed.stdout.splitlines()
-        assert header.split() == ["RESOURCE", "TOKEN", "HOLDER", "ACQUIRED", "EXPIRES"]
+        assert header.split() == ["RESOURCE", "TOKEN", "HOLDER", "SESSION", "ACQUIRED", "EXPIRES"]
         assert row.split()[:2] == ["res/one", str(lease["fencing_token"])]
         assert row.split()[2].startswith("uid:") and row.split()[2].endswith(":box-a")
         as_json = json.loads(towerctl(daemon, "--json", "leases").stdout)

@@ -410,7 +410,7 @@ def test_attention_follows_the_hook_sequence(daemon):
         ]
         assert client.session_activity([quiet])["sessions"] == [
             {"session_id": quiet, "last_activity_at": None, "last_kind": None,
-             "attention": "running"},
+             "attention": "running", "live": None},
         ]  # fmt: skip
 
 

@@ -48,6 +48,8 @@ SESSION_KEYS = {
     "effort",
     "target",
     "target_identity",
+    "agent_pid",
+    "live",
     "daemon_id",
     "owner_epoch",
     "updated_at",

@@ -8,6 +8,7 @@ the enumerations' values) against what the daemon really sends.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -133,6 +134,24 @@ def exercise_every_method(client: Any, short_tmp: Any, uncertain: str) -> None:
     client.kv_delete("global", "k")
     client.event_record("Notification", session_id=first, payload={"message": "hi"})
     client.event_list(session_ids=[first])
+    # The agent's loop: this process as the agent of two sessions' hooks and claims.
+    started = client.hook_event(
+        "SessionStart", "claude", agent_session_id="typed-agent", agent_pid=os.getpid(),
+        cwd="/srv/typed", model="opus",
+    )  # fmt: skip
+    client.hook_event(
+        "PreToolUse", "claude", agent_session_id="typed-agent", agent_pid=os.getpid(),
+        cwd="/srv/typed", paths=["/srv/typed/a.py"], payload={"tool_name": "Edit"},
+    )  # fmt: skip
+    other = client.session_register(cwd="/srv/typed", agent="codex")["session_id"]
+    client.path_claim(["/srv/typed/b.py"], session_id=other)
+    denied = client.hook_event(
+        "PreToolUse", "claude", agent_session_id="typed-agent", agent_pid=os.getpid(),
+        paths=["/srv/typed/b.py"], guard="deny",
+    )  # fmt: skip
+    assert denied["decision"] == "deny" and started["registered"] is True
+    client.path_release(["/srv/typed"], session_id=started["session_id"])
+    client.event_last_seen()
     client.session_activity([first])
     message = client.session_message(first, "ship it")
     client.message_list(first)

@@ -1,0 +1,125 @@
+"""What towerd knows of the agents whose hooks it is: declared once (stdlib only).
+
+``hooks install`` wires ``AGENT_EVENTS`` into each agent's settings, ``hooks status``
+checks them, and ``towerctl hook`` reads a hook's payload with ``edit_targets`` and
+finds the agent's process with ``agent_process``. A hook imports this module: it
+costs nothing beyond ``os``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from towerd.protocol.fields import AGENTS, GUARD_POLICIES
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
+if TYPE_CHECKING:
+    from typing import Any
+
+__all__ = ["AGENTS", "AGENT_EVENTS", "GUARD_POLICIES", "agent_process", "edit_targets"]
+
+DEFAULT_GUARD = "deny"
+
+# The hook events towerd wires, per agent, in the order they are written. Claude Code's
+# are its documented hook events that report a session's life or its attention; Codex's
+# are those its hooks.json offers (it has no SessionEnd or Notification).
+AGENT_EVENTS: dict[str, tuple[str, ...]] = {
+    "claude": (
+        "SessionStart",
+        "UserPromptSubmit",
+        "PreToolUse",
+        "PostToolUse",
+        "Notification",
+        "Stop",
+        "SubagentStop",
+        "PreCompact",
+        "SessionEnd",
+    ),
+    "codex": (
+        "SessionStart",
+        "UserPromptSubmit",
+        "PreToolUse",
+        "PermissionRequest",
+        "PostToolUse",
+        "PreCompact",
+        "PostCompact",
+        "Stop",
+    ),
+}
+HOOK_TIMEOUT_SECONDS = 10  # the timeout written into each entry; the hook itself stops at 2 s
+
+# The processes a hook runs through between the agent and towerctl.
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "fish", "env", "timeout"})
+MAX_ANCESTORS = 64
+
+# Tools that write files, and where their payload names the file.
+_CLAUDE_PATH_FIELDS = {
+    "Edit": "file_path",
+    "MultiEdit": "file_path",
+    "Write": "file_path",
+    "NotebookEdit": "notebook_path",
+}
+_CODEX_PATCH_TOOLS = frozenset({"apply_patch", "Edit", "Write"})  # Edit/Write: its aliases
+_PATCH_HEADERS = ("*** Add File: ", "*** Update File: ", "*** Delete File: ", "*** Move to: ")
+MAX_TARGETS = 64  # paths guarded per tool call at most (a larger patch guards its first 64)
+
+
+def edit_targets(agent: str, hook: dict[str, Any]) -> list[str] | None:
+    """The paths a PreToolUse payload's tool is about to write, as given (maybe relative
+    to the payload's cwd); None when the tool writes no file (or is unknown)."""
+    tool = hook.get("tool_name")
+    tool_input = hook.get("tool_input")
+    if not isinstance(tool, str) or not isinstance(tool_input, dict):
+        return None
+    field = _CLAUDE_PATH_FIELDS.get(tool)
+    path = tool_input.get(field) if field is not None else None
+    if isinstance(path, str) and path and "\0" not in path:
+        return [path]
+    patch = tool_input.get("command") or tool_input.get("patch") or tool_input.get("input")
+    if tool in _CODEX_PATCH_TOOLS or (isinstance(patch, str) and patch.startswith("*** Begin")):
+        if not isinstance(patch, str):
+            return None
+        paths = [
+            line[len(header) :].strip()
+            for line in patch.splitlines()
+            for header in _PATCH_HEADERS
+            if line.startswith(header)
+        ]
+        paths = [path for path in dict.fromkeys(paths) if path and "\0" not in path]
+        return paths[:MAX_TARGETS] or None
+    return None
+
+
+def resolve(path: str, cwd: str | None) -> str:
+    """``path``'s real path, relative paths taken from ``cwd`` (the agent's)."""
+    if not os.path.isabs(path) and cwd:
+        path = os.path.join(cwd, path)
+    return os.path.realpath(path)
+
+
+def _comm_and_parent(pid: int) -> tuple[str, int] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            data = handle.read()
+    except OSError:
+        return None
+    name = data[data.index(b"(") + 1 : data.rindex(b")")].decode("utf-8", "replace")
+    return name, int(data[data.rindex(b")") + 2 :].split()[1])
+
+
+def agent_process(start: int | None = None) -> int | None:
+    """The pid of the agent a hook (or an agent's shell command) runs under: the nearest
+    ancestor of this process, from ``start`` (default: the parent) up, that is not a
+    shell (``SHELLS``); None when there is none below pid 1."""
+    pid = os.getppid() if start is None else start
+    for _ in range(MAX_ANCESTORS):
+        if pid <= 1:
+            return None
+        found = _comm_and_parent(pid)
+        if found is None:
+            return None
+        name, parent = found
+        if name not in SHELLS:
+            return pid
+        pid = parent
+    return None

@@ -1,0 +1,73 @@
+"""What towerctl hook reads of an agent: its edit tools' target paths and its process
+(client/agents.py), on real payload shapes and real process trees."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from towerd.client.agents import agent_process, edit_targets, resolve
+
+PATCH = """*** Begin Patch
+*** Add File: new.py
++x = 1
+*** Update File: src/old.py
+*** Move to: src/renamed.py
+@@
+-a
++b
+*** Delete File: gone.py
+*** End Patch
+"""
+
+
+@pytest.mark.parametrize(
+    ("agent", "hook", "expected"),
+    [
+        ("claude", {"tool_name": "Edit", "tool_input": {"file_path": "/w/a.py"}}, ["/w/a.py"]),
+        ("claude", {"tool_name": "MultiEdit", "tool_input": {"file_path": "a.py"}}, ["a.py"]),
+        ("claude", {"tool_name": "Write", "tool_input": {"file_path": "b.py"}}, ["b.py"]),
+        ("claude", {"tool_name": "NotebookEdit", "tool_input": {"notebook_path": "n.ipynb"}},
+         ["n.ipynb"]),
+        ("codex", {"tool_name": "apply_patch", "tool_input": {"command": PATCH}},
+         ["new.py", "src/old.py", "src/renamed.py", "gone.py"]),
+        # Codex names apply_patch Edit/Write as matcher aliases: the patch decides.
+        ("codex", {"tool_name": "Edit", "tool_input": {"command": PATCH}},
+         ["new.py", "src/old.py", "src/renamed.py", "gone.py"]),
+        ("claude", {"tool_name": "Bash", "tool_input": {"command": "rm -rf build"}}, None),
+        ("claude", {"tool_name": "Read", "tool_input": {"file_path": "a.py"}}, None),
+        ("claude", {"tool_name": "Edit", "tool_input": {"file_path": ""}}, None),
+        ("claude", {"tool_name": "Edit", "tool_input": {"file_path": "a\0b"}}, None),
+        ("claude", {"tool_name": "Edit", "tool_input": "not a dict"}, None),
+        ("claude", {"tool_name": 7, "tool_input": {}}, None),
+        ("codex", {"tool_name": "apply_patch", "tool_input": {"command": 42}}, None),
+        ("codex", {"tool_name": "apply_patch", "tool_input": {"command": "no headers"}}, None),
+    ],
+)  # fmt: skip
+def test_edit_targets(agent, hook, expected):
+    assert edit_targets(agent, hook) == expected
+
+
+def test_resolve_takes_relative_paths_from_the_agents_cwd_and_follows_links(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert resolve("link/a.py", str(tmp_path)) == os.path.realpath(tmp_path / "real" / "a.py")
+    assert resolve("/etc/../etc/hosts", "/nowhere") == os.path.realpath("/etc/hosts")
+
+
+WHO = "from towerd.client.agents import agent_process; print(agent_process())"
+
+
+def test_the_agent_is_the_nearest_ancestor_that_is_not_a_shell():
+    """This test process runs sh -c 'env bash -c "python ..."': the python's nearest
+    non-shell ancestor is this process (sh, env and bash are skipped)."""
+    inner = f"{sys.executable} -c '{WHO}'; true"  # '; true' keeps each shell from exec'ing
+    done = subprocess.run(
+        ["sh", "-c", f'env bash -c "{inner}"; true'], capture_output=True, text=True, check=True
+    )
+    assert int(done.stdout) == os.getpid()
+    assert agent_process(os.getpid()) == os.getpid()  # a start that is no shell is the agent
+    assert agent_process(1) is None

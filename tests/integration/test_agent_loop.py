@@ -1,0 +1,350 @@
+"""towerd in the agent's own loop, end to end: ``towerctl hooks install`` writes the
+hooks into a temporary $HOME, and fake agents (tests/fixtures/fake_agent.py: long-lived
+processes that, like Claude Code, run the exact command string from settings.json
+through ``sh -c`` with the hook's JSON on stdin) work in one git worktree against a
+real daemon. The agents' PATH does not hold the venv: the installed command must be
+absolute."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from towerd_testing import TOWERCTL, Daemon, towerctl, wait_for
+
+FAKE_AGENT = Path(__file__).parent.parent / "fixtures" / "fake_agent.py"
+PLAIN_PATH = "/usr/local/bin:/usr/bin:/bin"  # no venv: hooks run without it
+
+
+def install(home: Path, *extra: str) -> dict[str, str]:
+    """``towerctl hooks install`` into ``home``; the command wired for each event."""
+    env = {"HOME": str(home), "PATH": PLAIN_PATH, "CODEX_HOME": str(home / ".codex")}
+    done = subprocess.run(
+        [TOWERCTL, "hooks", "install", *extra], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done
+    settings = json.loads((home / ".claude" / "settings.json").read_text())
+    return {
+        event: groups[-1]["hooks"][-1]["command"] for event, groups in settings["hooks"].items()
+    }
+
+
+def codex_commands(home: Path) -> dict[str, str]:
+    hooks = json.loads((home / ".codex" / "hooks.json").read_text())["hooks"]
+    return {event: groups[-1]["hooks"][-1]["command"] for event, groups in hooks.items()}
+
+
+class FakeAgent:
+    """One agent process, its session id, and the hooks it runs."""
+
+    def __init__(self, commands: dict[str, str], worktree: Path, socket_path: Path, home: Path):
+        self.commands = commands
+        self.worktree = worktree
+        self.agent_session_id = str(uuid.uuid4())
+        env = {
+            "HOME": str(home),
+            "PATH": PLAIN_PATH,
+            "TOWERD_SOCKET": str(socket_path),
+            "CODEX_HOME": str(home / ".codex"),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, str(FAKE_AGENT)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=worktree,
+            text=True,
+        )
+        self._lock = threading.Lock()
+
+    def run(self, command: str, stdin: str = "") -> dict:
+        with self._lock:
+            assert self.proc.stdin is not None and self.proc.stdout is not None
+            self.proc.stdin.write(json.dumps({"command": command, "stdin": stdin}) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+    def hook(self, event: str, **fields) -> dict:
+        """Run the installed command for ``event``; it must exit 0 and keep stderr empty."""
+        payload = {
+            "session_id": self.agent_session_id,
+            "transcript_path": f"{self.worktree}/.t/{self.agent_session_id}.jsonl",
+            "cwd": str(self.worktree),
+            "hook_event_name": event,
+            **fields,
+        }
+        done = self.run(self.commands[event], json.dumps(payload))
+        assert (done["rc"], done["stderr"]) == (0, ""), done
+        return done
+
+    def edit(self, path: str, tool: str = "Edit") -> dict | None:
+        """A PreToolUse of ``tool`` on ``path``: None when allowed (nothing printed), else
+        the decision the hook printed."""
+        field = "notebook_path" if tool == "NotebookEdit" else "file_path"
+        done = self.hook("PreToolUse", tool_name=tool, tool_input={field: path})
+        return json.loads(done["stdout"]) if done["stdout"] else None
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def worktree(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    root.mkdir()
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / "a.py").write_text("a = 1\n")
+    (root / "b.py").write_text("b = 1\n")
+    (root / "src").mkdir()
+    return root
+
+
+@pytest.fixture
+def agents(tmp_path: Path, worktree: Path, daemon: Daemon):
+    home = tmp_path / "home"
+    home.mkdir()
+    commands = install(home)
+    made: list[FakeAgent] = []
+
+    def make(commands_for: dict[str, str] | None = None) -> FakeAgent:
+        agent = FakeAgent(commands_for or commands, worktree, daemon.socket_path, home)
+        made.append(agent)
+        return agent
+
+    make.home = home  # type: ignore[attr-defined]
+    make.commands = commands  # type: ignore[attr-defined]
+    yield make
+    for agent in made:
+        agent.close()
+
+
+def session_of(daemon: Daemon, agent: FakeAgent) -> dict:
+    with daemon.client() as client:
+        rows = client.fleet_list()["sessions"]
+    (row,) = [row for row in rows if row["agent_session_id"] == agent.agent_session_id]
+    return row
+
+
+def deny_reason(decision: dict) -> str:
+    output = decision["hookSpecificOutput"]
+    assert output["hookEventName"] == "PreToolUse"
+    assert output["permissionDecision"] == "deny"
+    return output["permissionDecisionReason"]
+
+
+def test_the_installed_command_is_absolute_and_wired_to_every_event(agents) -> None:
+    commands = agents.commands
+    assert set(commands) >= {
+        "SessionStart", "UserPromptSubmit", "PreToolUse", "PostToolUse", "Notification",
+        "Stop", "SubagentStop", "PreCompact", "SessionEnd",
+    }  # fmt: skip
+    for command in commands.values():
+        program = command.split()[0]
+        assert os.path.isabs(program) and os.access(program, os.X_OK), command
+        assert " hook --agent claude" in command
+
+
+def test_two_agents_one_worktree_one_file_at_a_time(agents, worktree: Path, daemon: Daemon):
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    row_a = session_of(daemon, a)
+    assert row_a["agent_pid"] == a.proc.pid and row_a["live"] is True
+    assert row_a["agent"] == "claude" and row_a["cwd"] == str(worktree)
+
+    assert a.edit("a.py") is None  # allowed: nothing printed, not even "allow"
+    reason = deny_reason(b.edit(str(worktree / "a.py")))
+    assert str(worktree / "a.py") in reason and row_a["session_id"] in reason
+    assert "towerctl release" in reason
+    assert b.edit("b.py") is None  # another file is fine
+    assert a.edit("a.py") is None  # the holder renews its own lease
+    assert deny_reason(b.edit("a.py", tool="Write"))
+
+    with daemon.client() as client:
+        paths = {
+            lease["resource"]: lease["session_id"]
+            for lease in client.lease_list()["leases"]
+            if lease["resource"].startswith("path:")
+        }
+    assert paths == {
+        f"path:{worktree / 'a.py'}": row_a["session_id"],
+        f"path:{worktree / 'b.py'}": session_of(daemon, b)["session_id"],
+    }
+
+    a.hook("SessionEnd", reason="exit")
+    assert b.edit("a.py") is None  # released in the SessionEnd's own transaction
+    ended = session_of(daemon, a)
+    assert ended["exited"] is True
+    with daemon.client() as client:
+        plan = client.fleet_restore_plan()["sessions"]
+    assert ended["session_id"] not in {entry["session_id"] for entry in plan}
+
+
+def test_a_killed_agent_lets_go_within_two_seconds(agents, daemon: Daemon):
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit("a.py") is None
+    assert deny_reason(b.edit("a.py"))
+    a.kill9()
+    killed_at = time.monotonic()
+    wait_for(lambda: b.edit("a.py") is None, timeout=2.0, what="a.py free after kill -9")
+    row = wait_for(
+        lambda: (r := session_of(daemon, a))["live"] is False and r,
+        timeout=max(0.1, 2.0 - (time.monotonic() - killed_at)) + 1.0,
+        what="the killed agent's session not live",
+    )
+    assert row["exited"] is False  # died without ending: what a restore brings back
+    with daemon.client() as client:
+        plan = client.fleet_restore_plan()["sessions"]
+        activity = client.session_activity(session_ids=[row["session_id"]])["sessions"]
+    assert row["session_id"] in {entry["session_id"] for entry in plan}
+    assert activity[0]["live"] is False
+
+
+def test_a_directory_claim_from_the_agents_shell_covers_what_is_below(agents, worktree: Path):
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    towerctl_path = agents.commands["PreToolUse"].split()[0]
+    # The agent's shell tool runs towerctl: its nearest non-shell ancestor is agent A.
+    claimed = a.run(f"{towerctl_path} --json claim src --ttl 10m")
+    assert claimed["rc"] == 0, claimed
+    assert json.loads(claimed["stdout"])["leases"][0]["path"] == str(worktree / "src")
+    assert deny_reason(b.edit(str(worktree / "src" / "new.py"), tool="Write"))
+    assert a.edit("src/new.py", tool="Write") is None  # its own claim
+    # B cannot claim the directory's file, nor a directory above the claim.
+    refused = b.run(f"{towerctl_path} --json claim src/x.py")
+    assert refused["rc"] == 1 and json.loads(refused["stdout"])["error"]["code"] == "lease_held"
+    refused = b.run(f"{towerctl_path} --json claim .")
+    assert refused["rc"] == 1 and json.loads(refused["stdout"])["error"]["code"] == "lease_held"
+    released = a.run(f"{towerctl_path} --json release src")
+    # The directory's lease and the file lease A's own Write took below it.
+    assert sorted(json.loads(released["stdout"])["released"]) == [
+        str(worktree / "src"), str(worktree / "src" / "new.py"),
+    ]  # fmt: skip
+    assert b.edit("src/new.py", tool="Write") is None
+
+
+def test_a_person_frees_a_path_an_agent_holds(agents, worktree: Path, daemon: Daemon):
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit("a.py") is None
+    assert deny_reason(b.edit("a.py"))
+    done = towerctl(daemon, "--json", "release", str(worktree / "a.py"))
+    assert done.returncode == 0, done
+    assert json.loads(done.stdout) == {"released": [str(worktree / "a.py")], "session_id": None}
+    assert b.edit("a.py") is None
+
+
+def test_warn_allows_and_tells_the_agent(tmp_path: Path, agents, worktree: Path):
+    home = tmp_path / "warn-home"
+    home.mkdir()
+    warned = install(home, "--guard", "warn")
+    a, b = agents(), agents(warned)
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit("a.py") is None
+    output = b.edit("a.py")["hookSpecificOutput"]
+    assert "permissionDecision" not in output
+    assert "a.py" in output["additionalContext"]
+
+
+def test_codex_apply_patch_is_guarded_too(agents, worktree: Path):
+    codex = codex_commands(agents.home)
+    assert " hook --agent codex" in codex["PreToolUse"]
+    a, b = agents(), agents(codex)
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit("a.py") is None
+    patch = "*** Begin Patch\n*** Update File: a.py\n@@\n-a = 1\n+a = 2\n*** End Patch\n"
+    done = b.hook("PreToolUse", tool_name="apply_patch", tool_input={"command": patch})
+    assert deny_reason(json.loads(done["stdout"]))
+    other = "*** Begin Patch\n*** Add File: c.py\n+c = 1\n*** End Patch\n"
+    done = b.hook("PreToolUse", tool_name="apply_patch", tool_input={"command": other})
+    assert done["stdout"] == ""
+
+
+def test_no_daemon_both_allowed_silently(tmp_path: Path, worktree: Path):
+    home = tmp_path / "home"
+    home.mkdir()
+    commands = install(home)
+    gone = tmp_path / "nowhere" / "towerd.sock"
+    a, b = (FakeAgent(commands, worktree, gone, home) for _ in range(2))
+    try:
+        for agent in (a, b):
+            agent.hook("SessionStart", source="startup")
+            started = time.monotonic()
+            assert agent.edit("a.py") is None
+            assert time.monotonic() - started < 2.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_fleet_from_hooks_alone(agents, daemon: Daemon):
+    """SessionStart twice (and eight at once) from one agent session make one row;
+    SessionEnd marks it exited; the restore plan leaves it out."""
+    a = agents()
+    a.hook("SessionStart", source="startup", model="claude-opus-4")
+    a.hook("SessionStart", source="startup")
+    # The fake agent runs one command at a time; concurrent SessionStarts come from
+    # separate hook processes: run eight at once.
+    payload = json.dumps(
+        {"session_id": a.agent_session_id, "cwd": str(a.worktree),
+         "hook_event_name": "SessionStart"}
+    )  # fmt: skip
+    env = {"PATH": PLAIN_PATH, "TOWERD_SOCKET": str(daemon.socket_path)}
+    procs = [
+        subprocess.Popen(["sh", "-c", a.commands["SessionStart"]], stdin=subprocess.PIPE, env=env)
+        for _ in range(8)
+    ]
+    for proc in procs:
+        proc.communicate(payload.encode(), timeout=30)
+        assert proc.returncode == 0
+    with daemon.client() as client:
+        rows = [
+            row for row in client.fleet_list()["sessions"]
+            if row["agent_session_id"] == a.agent_session_id
+        ]  # fmt: skip
+    assert len(rows) == 1
+    assert rows[0]["model"] == "claude-opus-4" and rows[0]["exited"] is False
+    a.hook("SessionEnd", reason="exit")
+    row = session_of(daemon, a)
+    assert row["exited"] is True
+    with daemon.client() as client:
+        plan = client.fleet_restore_plan()["sessions"]
+    assert row["session_id"] not in {entry["session_id"] for entry in plan}
+
+
+def test_the_newest_session_start_of_a_process_names_its_session(agents, worktree, daemon):
+    """After /clear one agent process reports a new agent session id: towerctl claim from
+    its shell is the new session's, and the old session's leases do not stand in its way."""
+    a = agents()
+    a.hook("SessionStart", source="startup")
+    assert a.edit("a.py") is None
+    first = session_of(daemon, a)
+    a.agent_session_id = str(uuid.uuid4())
+    a.hook("SessionStart", source="clear")
+    second = session_of(daemon, a)
+    assert second["session_id"] != first["session_id"]
+    assert a.edit("a.py") is None  # one agent: its own lease passes to the new session
+    towerctl_path = a.commands["PreToolUse"].split()[0]
+    claimed = json.loads(a.run(f"{towerctl_path} --json claim b.py")["stdout"])
+    assert claimed["session_id"] == second["session_id"]
