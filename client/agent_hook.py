@@ -6,11 +6,12 @@ single ``hook.event`` call, keeps the fleet (a session the daemon does not know 
 registered; SessionEnd marks it exited) and guards edits: a PreToolUse of a tool
 that writes files names its target paths (real paths, relative ones taken from the
 payload's cwd), which the daemon leases to the session unless another live session
-holds one. Then, under ``--guard deny`` (the default), the agent is told with its
-documented deny decision, whose reason names the holder; under ``--guard warn`` the
-call is allowed and the agent told through ``additionalContext``; ``--guard off``
-guards nothing. An allowed call prints nothing: never an "allow" decision, which
-would skip the user's own permission prompt.
+holds one; the PostToolUse after the edit holds them for the idle TTL (an edit that
+never ran holds them two minutes). When a path is held, under ``--guard deny`` (the
+default) the agent is told with its documented deny decision, whose reason names the
+holder; under ``--guard warn`` the call is allowed and the agent told through
+``additionalContext``; ``--guard off`` guards nothing. An allowed call prints
+nothing: never an "allow" decision, which would skip the user's own permission prompt.
 
 The agent is this process's nearest ancestor that is not a shell
 (client/agents.py): its pid (with its start time, read by the daemon) is the
@@ -42,7 +43,9 @@ if TYPE_CHECKING:
 
 MAX_PATH = 4000  # characters of a path the daemon takes (protocol/schema/agents.py)
 MAX_TEXT = 4096  # characters of a transcript path or a model name
-MAX_PATHS = 64
+MAX_PATHS = 256  # paths guarded per tool call (protocol/schema/agents.py MAX_PATHS)
+# PreToolUse leases the paths (pending); PostToolUse, after the edit ran, holds them on.
+GUARDED_KINDS = ("PreToolUse", "PostToolUse")
 
 
 def options(argv: list[str]) -> tuple[str, str, str | None]:
@@ -113,10 +116,16 @@ def _hook(socket_path: str | None, agent: str, guard: str, deadline: float) -> b
     if cwd is not None and not cwd.startswith("/"):
         cwd = None
     paths: list[str] = []
-    if kind == "PreToolUse" and guard != "off":
+    if kind in GUARDED_KINDS and guard != "off":
         targets = edit_targets(agent, hook) or []
         resolved = (resolve(target, cwd) for target in targets[:MAX_PATHS])
-        paths = [path for path in resolved if path.startswith("/") and len(path) <= MAX_PATH]
+        # An existing directory is no file an edit writes (the tool fails on it): never
+        # leased from a hook, or one bad call would hold a whole tree.
+        paths = [
+            path
+            for path in resolved
+            if path.startswith("/") and len(path) <= MAX_PATH and not os.path.isdir(path)
+        ]
     params: dict[str, Any] = {"kind": kind, "agent": agent}
     for name, value in (
         ("session_id", session_id),

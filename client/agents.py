@@ -61,7 +61,7 @@ _CLAUDE_PATH_FIELDS = {
 }
 _CODEX_PATCH_TOOLS = frozenset({"apply_patch", "Edit", "Write"})  # Edit/Write: its aliases
 _PATCH_HEADERS = ("*** Add File: ", "*** Update File: ", "*** Delete File: ", "*** Move to: ")
-MAX_TARGETS = 64  # paths guarded per tool call at most (a larger patch guards its first 64)
+MAX_TARGETS = 256  # paths guarded per tool call at most (a larger patch guards its first 256)
 
 
 def edit_targets(agent: str, hook: dict[str, Any]) -> list[str] | None:
@@ -79,9 +79,10 @@ def edit_targets(agent: str, hook: dict[str, Any]) -> list[str] | None:
     if tool in _CODEX_PATCH_TOOLS or (isinstance(patch, str) and patch.startswith("*** Begin")):
         if not isinstance(patch, str):
             return None
+        lines = [line.strip() + " " for line in patch.splitlines()]  # " ": "Add File: "
         paths = [
             line[len(header) :].strip()
-            for line in patch.splitlines()
+            for line in lines
             for header in _PATCH_HEADERS
             if line.startswith(header)
         ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import stat
@@ -62,6 +63,7 @@ AGENT_CHOICES = ("all", *AGENTS)
 BACKUP_SUFFIX = ".towerd-backup"
 EX_DATAERR = 65  # sysexits.h: the settings file is not what an agent reads
 EX_UNAVAILABLE = 69  # sysexits.h: no towerctl to wire in
+EX_CANTCREAT = 73  # sysexits.h: the settings file is read-only
 VERSION_TIMEOUT = 5.0  # seconds `<towerctl> --version` may take in status
 HAND_WIRED_NOTE = "also wired by hand: towerctl hook-report (events recorded twice)"
 CODEX_TRUST_HINT = (
@@ -161,14 +163,21 @@ def towerd_group(command: str) -> dict[str, Any]:
 
 
 def handler_argv(handler: Any) -> list[str] | None:
-    """A handler's command split as ``sh`` would (None: not a command handler, or one
-    shlex cannot split)."""
+    """A handler's command split as ``sh`` would, leading ``NAME=value`` assignments
+    left out (``TOWERD_SOCKET=/x towerctl hook`` is still towerd's); None: not a command
+    handler, or one shlex cannot split."""
     if not isinstance(handler, dict) or not isinstance(handler.get("command"), str):
         return None
     try:
-        return shlex.split(handler["command"])
+        argv = shlex.split(handler["command"])
     except ValueError:
         return None
+    while argv and _ASSIGNMENT.match(argv[0]):
+        argv.pop(0)
+    return argv
+
+
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def towerctl_subcommand(handler: Any) -> str | None:
@@ -393,6 +402,14 @@ def save_settings(path: str, content: bytes, previous: bytes | None, scope: str)
                     {"path": path},
                 )
         mode = stat.S_IMODE(os.stat(target).st_mode)
+        if not mode & stat.S_IWUSR:
+            raise HooksError(
+                "hooks_file_read_only",
+                f"{path} is read-only (mode {mode:o}): left as it is; make it writable "
+                "(chmod u+w) to let towerctl change it",
+                {"path": path, "mode": f"{mode:o}"},
+                EX_CANTCREAT,
+            )
         backup = target + BACKUP_SUFFIX
         write_atomically(backup, previous, mode)
         write_atomically(target, content, mode)

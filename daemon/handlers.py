@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from towerd.daemon.clock import StepDetector
-from towerd.daemon.processes import holder_of, may_hold_for
+from towerd.daemon.processes import LivenessUnknown, ancestors, holder_of, may_hold_for
 from towerd.daemon.read_cache import ReadCache
 from towerd.daemon.store import (
     Store,
@@ -289,13 +289,13 @@ class Handlers:
         return self.store.write(agents.hook_event, claimant, params)
 
     def path_claim(self, caller: Caller, params: m.PathClaimParams) -> Future[m.PathClaimResult]:
-        claimant = _holding_for(caller, params.agent_pid, "agent_pid")
+        claimant = _with_lineage(_holding_for(caller, params.agent_pid, "agent_pid"))
         return self.store.write(agents.claim, claimant, params)
 
     def path_release(
         self, caller: Caller, params: m.PathReleaseParams
     ) -> Future[m.PathReleaseResult]:
-        claimant = _holding_for(caller, params.agent_pid, "agent_pid")
+        claimant = _with_lineage(_holding_for(caller, params.agent_pid, "agent_pid"))
         return self.store.write(agents.release, claimant, params)
 
     # --- watch and operator tools ----------------------------------------------------------
@@ -329,6 +329,20 @@ def _holding_for(caller: Caller, pid: int | None, field: str) -> Caller:
             {field: pid, "caller_pid": caller.pid},
         )
     return dataclasses.replace(caller, holder=holder)
+
+
+def _with_lineage(caller: Caller) -> Caller:
+    """The caller with its process and ancestors as holders (nearest first): the store
+    tells from them whether it runs inside an agent session, whatever runs in between."""
+    lineage = []
+    for pid in (caller.pid, *ancestors(caller.pid)):
+        try:
+            holder = holder_of(pid)
+        except LivenessUnknown:
+            continue
+        if holder is not None:
+            lineage.append(holder)
+    return dataclasses.replace(caller, lineage=tuple(lineage))
 
 
 def _note_own_claim(caller: Caller, claimed: Future[Any]) -> None:

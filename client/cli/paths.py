@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 COMMANDS = Commands()
 
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_TTL_SECONDS = 7 * 86400  # the daemon's bound on a path lease's TTL
 
 
 def duration_ms(text: str) -> int:
@@ -37,8 +38,8 @@ def duration_ms(text: str) -> int:
         value = float(number)
     except ValueError:
         raise UsageError(f"--ttl {text!r}: give a duration such as 90s, 30m or 2h") from None
-    if not value > 0:
-        raise UsageError(f"--ttl {text!r}: a duration must be positive")
+    if not 0 < value < float("inf") or value * _UNITS[unit] > MAX_TTL_SECONDS:
+        raise UsageError(f"--ttl {text!r}: a duration must be positive and at most 7 days")
     return int(value * _UNITS[unit] * 1000)
 
 
@@ -51,9 +52,14 @@ SESSION = arg(
 
 
 def _whose(args: argparse.Namespace) -> dict[str, Any]:
-    """``session_id`` (--session), else this process's agent as ``agent_pid``."""
-    if args.session:
-        return {"session_id": args.session}
+    """``session_id`` (--session, else TOWERD_SESSION_ID as the hooks take it), else
+    this process's agent as ``agent_pid``. The daemon checks either against the agent
+    session this runs inside, if any (it acts for itself only)."""
+    from towerd.client.hook_report import _session_from_env
+
+    session = args.session or _session_from_env()
+    if session:
+        return {"session_id": session}
     pid = agent_process()
     return {} if pid is None else {"agent_pid": pid}
 

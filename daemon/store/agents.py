@@ -18,6 +18,7 @@ the policy is ``deny``, none.
 
 from __future__ import annotations
 
+import shlex
 import time
 
 from msgspec.structs import asdict
@@ -25,7 +26,7 @@ from msgspec.structs import asdict
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import events, fleet, leases
 from towerd.daemon.store.tx import Caller, Tx
-from towerd.protocol.errors import BadArgs, LeaseHeld, NotFound
+from towerd.protocol.errors import BadArgs, Conflict, LeaseHeld, NotFound
 from towerd.protocol.fields import PATH_LEASE_PREFIX
 from towerd.protocol.methods import (
     Empty,
@@ -44,6 +45,8 @@ from towerd.protocol.methods import (
 )
 
 SESSION_START, SESSION_END = "SessionStart", "SessionEnd"
+PRE_TOOL_USE, POST_TOOL_USE = "PreToolUse", "PostToolUse"
+PENDING_TTL_MS = 120_000  # a path leased before its edit ran, until the edit is seen done
 
 
 def hook_event(tx: Tx, caller: Caller, params: HookEventParams) -> HookEventResult:
@@ -74,17 +77,22 @@ def hook_event(tx: Tx, caller: Caller, params: HookEventParams) -> HookEventResu
         return result  # nobody to hold a path for: the guard fails open
     if params.kind == SESSION_END:
         leases.release_matching(tx, leases.held_for_session(tx, session_id), "session-ended")
-    elif params.paths and params.guard != "off":
+    elif params.paths and params.guard != "off" and params.kind in (PRE_TOOL_USE, POST_TOOL_USE):
         holder = agent or fleet.agent_holder(tx, session_id)
         in_the_way = _in_the_way(tx, params.paths, session_id, holder)
-        if in_the_way:
+        if in_the_way and params.kind == PRE_TOOL_USE:
             result.conflicts = in_the_way
             result.reason = _reason(in_the_way, params.guard)
             result.decision = "deny" if params.guard == "deny" else "warn"
         if result.decision != "deny":
             blocked = {conflict.target for conflict in in_the_way}
             free = [path for path in dict.fromkeys(params.paths) if path not in blocked]
+            # Before the tool runs the lease is pending: an edit that fails, or that the
+            # user refuses, holds its paths a short while; the PostToolUse of an edit
+            # that was done holds them for the whole idle TTL.
             ttl = tx.config.path_lease_ttl_ms
+            if params.kind == PRE_TOOL_USE:
+                ttl = min(ttl, PENDING_TTL_MS)
             for path in free:
                 leases.grant_for_session(
                     tx, caller.principal, holder, session_id, PATH_LEASE_PREFIX + path, ttl
@@ -149,7 +157,13 @@ def _lineage(path: str) -> list[str]:
 
 
 def _ours(lease: leases.Lease, session_id: str, holder: Holder | None) -> bool:
-    return lease.session_id == session_id or (holder is not None and lease.holder == holder)
+    """Whether a lease is the caller's own: held by the same agent process (one agent,
+    whichever of its sessions: a new one after ``/clear``); where either side has no
+    process, by the same session. Two processes sharing one session id (an inherited
+    TOWERD_SESSION_ID) are two agents, each in the other's way."""
+    if holder is not None and lease.holder is not None:
+        return lease.holder == holder
+    return lease.session_id == session_id
 
 
 def _in_the_way(
@@ -196,6 +210,8 @@ def _reason(conflicts: list[PathHolder], policy: str) -> str:
     for conflict in conflicts:
         who = conflict.name or conflict.session_id or conflict.holder
         what = f"{conflict.agent or 'agent'} session {who}"
+        if conflict.holder_pid is not None:
+            what += f", process {conflict.holder_pid}"
         if conflict.cwd:
             what += f" (in {conflict.cwd})"
         through = "" if conflict.path == conflict.target else f" (it holds {conflict.path})"
@@ -204,7 +220,7 @@ def _reason(conflicts: list[PathHolder], policy: str) -> str:
             f"{_clock(conflict.since)}{through}."
         )
     if policy == "deny":
-        paths = " ".join(sorted({conflict.path for conflict in conflicts}))
+        paths = " ".join(shlex.quote(path) for path in sorted({c.path for c in conflicts}))
         lines.append(
             "towerd denied this edit so that two agents do not clobber one file. Work on "
             f"something else meanwhile, or ask the user to run `towerctl release {paths}`."
@@ -220,8 +236,23 @@ def _reason(conflicts: list[PathHolder], policy: str) -> str:
 def _session_of_claim(
     tx: Tx, caller: Caller, session_id: str | None, agent_pid: int | None
 ) -> tuple[str | None, Holder | None]:
-    """(session, its agent process): the given session, or the one whose agent process
-    the caller named (``caller.holder``); (None, None) when the caller is no session's."""
+    """(session, its agent process) that a claim or a release acts for.
+
+    A caller that runs inside an agent session (its own process or an ancestor is a
+    live session's agent, however many wrappers are in between) acts for that session
+    only: naming another is ``conflict``, so an agent denied a path cannot free it by
+    naming its holder. Otherwise the given session, or the one whose agent process is
+    ``agent_pid``; (None, None) for a caller that is no session's (a person)."""
+    inside = _session_inside(tx, caller)
+    if inside is not None:
+        if session_id is not None and session_id != inside[0]:
+            raise Conflict(
+                f"this runs inside agent session {inside[0]}, which acts for itself only; "
+                f"session {session_id}'s paths are freed by it, by its end, or by a person "
+                "outside any agent session",
+                {"session_id": session_id, "caller_session_id": inside[0]},
+            )
+        return inside
     if session_id is not None:
         fleet.require_own_row(tx, session_id)
         return session_id, fleet.agent_holder(tx, session_id)
@@ -229,6 +260,16 @@ def _session_of_claim(
         return None, None
     found = fleet.session_of_agent(tx, caller.holder)
     return (found, caller.holder) if found is not None else (None, None)
+
+
+def _session_inside(tx: Tx, caller: Caller) -> tuple[str, Holder] | None:
+    """The session of the nearest process in the caller's lineage that is a live
+    session's agent, with that process."""
+    for holder in caller.lineage:
+        found = fleet.session_of_agent(tx, holder, live_only=True)
+        if found is not None:
+            return found, holder
+    return None
 
 
 def claim(tx: Tx, caller: Caller, params: PathClaimParams) -> PathClaimResult:

@@ -332,11 +332,13 @@ def bind_agent(tx: Tx, session_id: str, holder: Holder, *, naming: bool) -> None
         _noted(tx, session_id)
 
 
-def session_of_agent(tx: Tx, holder: Holder) -> str | None:
-    """The session the agent process ``holder`` runs now: its most recent SessionStart's."""
+def session_of_agent(tx: Tx, holder: Holder, *, live_only: bool = False) -> str | None:
+    """The session the agent process ``holder`` runs now: its most recent SessionStart's
+    (``live_only``: among rows still shown live)."""
     row = tx.conn.execute(
-        """SELECT session_id FROM sessions
+        f"""SELECT session_id FROM sessions
            WHERE agent_pid = ? AND agent_start = ? AND daemon_id = ?
+           {"AND live = 1" if live_only else ""}
            ORDER BY agent_named_at DESC, rowid DESC LIMIT 1""",
         (holder.pid, holder.start, tx.daemon_id),
     ).fetchone()

@@ -183,6 +183,7 @@ def grant_for_session(
     current = load(tx, resource)
     expires_at = tx.now + ttl_ms
     if current is not None and current.live(tx.now):
+        expires_at = max(expires_at, current.expires_at)  # a renewal never shortens it
         tx.conn.execute(
             "UPDATE leases SET renewed_at = ?, expires_at = ?, session_id = ? WHERE resource = ?",
             (tx.now, expires_at, session_id, resource),
@@ -200,13 +201,16 @@ def grant_for_session(
 
 def live_in_the_way(tx: Tx, resources: list[str], below: str) -> list[Lease]:
     """The live leases on any of ``resources``, or on a resource below ``below`` (a
-    directory's path lease resource, ``path:/dir``: the range is ``path:/dir/...``)."""
+    directory's path lease resource, ``path:/dir``: the range is ``path:/dir/...``;
+    for the root, ``path:/``, every path)."""
     marks = ", ".join("?" * len(resources))
+    lower = below if below.endswith("/") else below + "/"
+    upper = lower[:-1] + "0"  # the character after the slash, in sort order
     rows = tx.conn.execute(
         f"""SELECT resource FROM leases WHERE resource IN ({marks}) AND expires_at > ?
             UNION SELECT resource FROM leases
             WHERE resource > ? AND resource < ? AND expires_at > ?""",
-        (*resources, tx.now, below + "/", below + "0", tx.now),  # '0' follows '/'
+        (*resources, tx.now, lower, upper, tx.now),
     ).fetchall()
     found = [load(tx, resource) for (resource,) in rows]
     return [lease for lease in found if lease is not None and lease.live(tx.now)]

@@ -51,6 +51,9 @@ class Caller:
     holder: Holder | None  # the peer process, as a key holder
     hello_done: bool = False
     claimed: bool = False  # this connection's process took a key, lease or effect
+    # The peer process and its ancestors, nearest first, when a method needs to know
+    # whether it runs inside an agent session (path.claim, path.release).
+    lineage: tuple[Holder, ...] = ()
 
     @property
     def actor(self) -> str:

@@ -19,7 +19,7 @@ from towerd.protocol.schema.base import (
 from towerd.protocol.schema.effects import Resource
 from towerd.protocol.schema.trail import AgentSessionId, EventKind
 
-MAX_PATHS = 64  # paths in one hook.event, path.claim or path.release
+MAX_PATHS = 256  # paths in one hook.event, path.claim or path.release
 AbsolutePath = Annotated[str, Meta(min_length=1, max_length=4000, pattern="^/")]
 ShortText = Annotated[str, Meta(max_length=4096)]
 PathLeaseTtl = Annotated[int, Meta(ge=5_000, le=7 * 24 * 3600 * 1000)]

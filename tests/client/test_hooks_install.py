@@ -384,3 +384,40 @@ def test_no_towerctl_to_wire_in_is_refused(tmp_path, home):
 
 def test_the_cli_offers_the_scopes_the_module_knows():
     assert CLI_SCOPES == SCOPES
+
+
+def test_a_read_only_settings_file_is_refused_and_left_alone(tmp_path):
+    home = tmp_path / "home"
+    settings = home / ".claude" / "settings.json"
+    settings.parent.mkdir(parents=True)
+    settings.write_text('{"model": "x"}\n')
+    settings.chmod(0o444)
+    done = subprocess.run(
+        [TOWERCTL, "hooks", "install", "--agent", "claude"],
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 73, done
+    assert "read-only" in done.stderr
+    assert settings.read_text() == '{"model": "x"}\n'
+    assert not (settings.parent / "settings.json.towerd-backup").exists()
+
+
+def test_an_entry_the_user_prefixed_with_a_variable_is_still_towerds(tmp_path):
+    """``TOWERD_SOCKET=/x /…/towerctl hook`` (edited by hand) is recognised: uninstall takes
+    it out, a reinstall replaces it rather than adding a second."""
+    home = tmp_path / "home"
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    install = [TOWERCTL, "hooks", "install", "--agent", "claude"]
+    assert subprocess.run(install, env=env, capture_output=True).returncode == 0
+    settings = home / ".claude" / "settings.json"
+    data = json.loads(settings.read_text())
+    for groups in data["hooks"].values():
+        handler = groups[-1]["hooks"][-1]
+        handler["command"] = "TOWERD_SOCKET=/x " + handler["command"]
+    settings.write_text(json.dumps(data))
+    assert subprocess.run(install, env=env, capture_output=True).returncode == 0
+    again = json.loads(settings.read_text())
+    assert all(len(groups) == 1 for groups in again["hooks"].values())
+    uninstall = [TOWERCTL, "hooks", "uninstall", "--agent", "claude"]
+    assert subprocess.run(uninstall, env=env, capture_output=True).returncode == 0
+    assert json.loads(settings.read_text()).get("hooks", {}) == {}

@@ -348,3 +348,79 @@ def test_the_newest_session_start_of_a_process_names_its_session(agents, worktre
     towerctl_path = a.commands["PreToolUse"].split()[0]
     claimed = json.loads(a.run(f"{towerctl_path} --json claim b.py")["stdout"])
     assert claimed["session_id"] == second["session_id"]
+
+
+def test_a_hung_daemon_a_stale_socket_and_garbage_all_fail_open(
+    agents, tmp_path: Path, daemon: Daemon
+):
+    """The guard never breaks its agent: a stopped daemon (it accepts, never answers)
+    costs at most hook-report's 2 s budget; a stale socket file, input that is not a
+    hook, and an unknown tool are allowed at once; every time exit 0, nothing printed."""
+    a = agents()
+    a.hook("SessionStart", source="startup")
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert a.edit("a.py") is None
+        assert time.monotonic() - started < 2.0 + 1.5
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
+    stale = tmp_path / "stale" / "towerd.sock"
+    stale.parent.mkdir(mode=0o700)
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(stale))  # bound, never listened on, then closed: a stale file
+    orphan = FakeAgent(a.commands, a.worktree, stale, agents.home)
+    try:
+        started = time.monotonic()
+        assert orphan.edit("a.py") is None
+        assert time.monotonic() - started < 1.5
+    finally:
+        orphan.close()
+    for garbage in ("", "not json", "[1, 2]", '{"hook_event_name": 7}', "\udcff"):
+        done = a.run(a.commands["PreToolUse"], garbage)
+        assert (done["rc"], done["stdout"], done["stderr"]) == (0, "", ""), garbage
+    odd = a.hook("PreToolUse", tool_name="Teleport", tool_input={"file_path": "a.py"})
+    assert odd["stdout"] == ""
+
+
+def test_a_path_outside_any_worktree_is_guarded_the_same(agents, tmp_path: Path):
+    outside = tmp_path / "notes.txt"
+    outside.write_text("x\n")
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit(str(outside)) is None
+    assert deny_reason(b.edit(str(outside), tool="Write"))
+    # The same file through a symlink and a detour is the same real path.
+    (tmp_path / "link.txt").symlink_to(outside)
+    assert deny_reason(b.edit(str(tmp_path / "repo" / ".." / "link.txt")))
+
+
+def test_an_agent_cannot_free_what_another_holds(agents, worktree: Path, daemon: Daemon):
+    """The deny reason names the holder; naming it back from the denied agent's shell, or
+    running towerctl under a wrapper process that hides the agent, frees nothing: the
+    daemon finds the agent among the caller's ancestors, and it acts for itself only."""
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit("a.py") is None
+    holder = session_of(daemon, a)["session_id"]
+    towerctl_path = a.commands["PreToolUse"].split()[0]
+    named = b.run(f"{towerctl_path} --json release --session {holder} a.py")
+    assert named["rc"] == 1 and json.loads(named["stdout"])["error"]["code"] == "conflict"
+    wrapper = f"{sys.executable} -c 'import subprocess, sys; subprocess.run(sys.argv[1:])'"
+    hidden = b.run(f"{wrapper} {towerctl_path} --json release a.py")
+    assert hidden["rc"] == 0 and json.loads(hidden["stdout"])["released"] == []
+    assert deny_reason(b.edit("a.py"))
+
+
+def test_an_edit_of_a_directory_leases_nothing(agents, worktree: Path):
+    """A Write whose file_path is a directory fails in the agent: it must not lock the
+    tree below it."""
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit(str(worktree / "src"), tool="Write") is None
+    assert b.edit("src/new.py", tool="Write") is None

@@ -134,7 +134,11 @@ def exercise_every_method(client: Any, short_tmp: Any, uncertain: str) -> None:
     client.kv_delete("global", "k")
     client.event_record("Notification", session_id=first, payload={"message": "hi"})
     client.event_list(session_ids=[first])
-    # The agent's loop: this process as the agent of two sessions' hooks and claims.
+    # The agent's loop: another session holds b.py (claimed by a person for it, before
+    # this process is an agent: an agent acts for its own session only); then this
+    # process as an agent session's, whose edit of b.py is denied.
+    other = client.session_register(cwd="/srv/typed", agent="codex")["session_id"]
+    client.path_claim(["/srv/typed/b.py"], session_id=other)
     started = client.hook_event(
         "SessionStart", "claude", agent_session_id="typed-agent", agent_pid=os.getpid(),
         cwd="/srv/typed", model="opus",
@@ -143,8 +147,6 @@ def exercise_every_method(client: Any, short_tmp: Any, uncertain: str) -> None:
         "PreToolUse", "claude", agent_session_id="typed-agent", agent_pid=os.getpid(),
         cwd="/srv/typed", paths=["/srv/typed/a.py"], payload={"tool_name": "Edit"},
     )  # fmt: skip
-    other = client.session_register(cwd="/srv/typed", agent="codex")["session_id"]
-    client.path_claim(["/srv/typed/b.py"], session_id=other)
     denied = client.hook_event(
         "PreToolUse", "claude", agent_session_id="typed-agent", agent_pid=os.getpid(),
         paths=["/srv/typed/b.py"], guard="deny",

@@ -11,7 +11,7 @@ import pytest
 from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, opened, register
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import Store, agents, fleet, liveness
-from towerd.protocol.errors import LeaseHeld, NotFound
+from towerd.protocol.errors import Conflict, LeaseHeld, NotFound
 from towerd.protocol.methods import (
     DEFAULT_PATH_LEASE_TTL_MS,
     HookEventParams,
@@ -43,7 +43,12 @@ async def hook(
 
 
 async def edit(store: Store, agent_session_id: str, *paths: str, **kwargs: Any) -> HookEventResult:
-    return await hook(store, "PreToolUse", agent_session_id, paths=list(paths), **kwargs)
+    """A PreToolUse of an edit of ``paths``, and (when it was not denied) the PostToolUse
+    that follows the edit done."""
+    before = await hook(store, "PreToolUse", agent_session_id, paths=list(paths), **kwargs)
+    if before.decision != "deny":
+        await hook(store, "PostToolUse", agent_session_id, paths=list(paths), **kwargs)
+    return before
 
 
 async def row(store: Store, session_id: str) -> Any:
@@ -161,3 +166,67 @@ async def test_a_claim_needs_a_session(short_tmp: Path) -> None:
             agents.claim, caller(), PathClaimParams(["/w"], session_id=registered)
         )
         assert claimed.session_id == registered
+
+
+async def test_an_edit_that_never_ran_holds_its_path_two_minutes(short_tmp: Path) -> None:
+    """PreToolUse leases the path pending; without the PostToolUse of a done edit (the
+    tool failed, the user said no) it lapses after PENDING_TTL_MS, not the idle TTL."""
+    async with opened(short_tmp) as store:
+        await hook(store, "PreToolUse", "as-a", paths=["/w/a.py"])
+        other = {"holder": OTHER_LIVE}
+        held = await hook(store, "PreToolUse", "as-b", paths=["/w/a.py"], shift_ms=60_000, **other)
+        assert held.decision == "deny"
+        later = agents.PENDING_TTL_MS + 1000
+        free = await hook(store, "PreToolUse", "as-b", paths=["/w/a.py"], shift_ms=later, **other)
+        assert free.decision == "allow"
+        # A PreToolUse after a done edit does not shorten the lease the edit's PostToolUse set.
+        await hook(store, "PostToolUse", "as-b", paths=["/w/a.py"], shift_ms=later, **other)
+        await hook(store, "PreToolUse", "as-b", paths=["/w/a.py"], shift_ms=later + 10, **other)
+        still = await edit(store, "as-a", "/w/a.py", shift_ms=later + 10 * 60_000)
+        assert still.decision == "deny"
+
+
+async def test_claiming_the_root_sees_every_lease_below_it(short_tmp: Path) -> None:
+    async with opened(short_tmp) as store:
+        await edit(store, "as-a", "/w/d/sub/f.txt")
+        await hook(store, "SessionStart", "as-b", holder=OTHER_LIVE)
+        with pytest.raises(LeaseHeld) as caught:
+            await store.write(
+                agents.claim, caller(holder=OTHER_LIVE),
+                PathClaimParams(["/"], agent_pid=OTHER_LIVE.pid),
+            )  # fmt: skip
+        assert [c["path"] for c in caught.value.data["conflicts"]] == ["/w/d/sub/f.txt"]
+
+
+async def test_two_processes_sharing_one_session_are_two_agents(short_tmp: Path) -> None:
+    """An inherited TOWERD_SESSION_ID: the same session from another live agent process is
+    in the first one's way (and is named by its process in the reason)."""
+    async with opened(short_tmp) as store:
+        shared = await register(store)
+        mine = await edit(store, "as-a", "/w/a.py", session_id=shared)
+        assert mine.session_id == shared
+        twin = await edit(store, "as-a", "/w/a.py", session_id=shared, holder=OTHER_LIVE)
+        assert twin.decision == "deny" and f"process {LIVE.pid}" in (twin.reason or "")
+
+
+async def test_inside_an_agent_session_a_claim_acts_for_that_session_only(short_tmp: Path):
+    """An agent denied a path cannot free it by naming the holder's session, nor through
+    a wrapper process between its shell and towerctl: the daemon finds the agent among
+    the caller's ancestors."""
+    async with opened(short_tmp) as store:
+        holder = await edit(store, "as-a", "/w/a.py")
+        await hook(store, "SessionStart", "as-b", holder=OTHER_LIVE)
+        wrapped = caller(holder=DEAD)  # some wrapper below agent B, which is its ancestor
+        wrapped.lineage = (DEAD, OTHER_LIVE)
+        with pytest.raises(Conflict):
+            await store.write(
+                agents.release, wrapped,
+                PathReleaseParams(["/w/a.py"], session_id=holder.session_id),
+            )  # fmt: skip
+        released = await store.write(agents.release, wrapped, PathReleaseParams(["/w/a.py"]))
+        assert released.released == []  # B's own leases only: it has none
+        # A person (no agent among its ancestors) frees whoever's.
+        person = caller(holder=DEAD)
+        person.lineage = (DEAD,)
+        freed = await store.write(agents.release, person, PathReleaseParams(["/w/a.py"]))
+        assert (freed.released, freed.session_id) == (["/w/a.py"], None)
