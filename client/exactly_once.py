@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from towerd.client.cli.output import UsageError, dumps_json, say
+from towerd.client.cli.registry import call_timeout
 from towerd.client.cli.output import is_utf8 as _is_utf8
 from towerd.client.cli.output import json_arg as _json_arg
 from towerd.client.idempotent import EffectNotStarted, SyncDriver
@@ -278,7 +279,7 @@ class RetryingConnection:
     def new_client(self, role: str = "") -> Client:
         return Client(
             self.args.socket,
-            timeout=self.args.timeout,
+            timeout=call_timeout(self.args),
             principal=self.args.principal,
             client_name=f"towerctl{role}",
         )

@@ -51,6 +51,7 @@ from rich.live import Live
 
 from towerd.client import top_view
 from towerd.client.cli.output import dumps_json
+from towerd.client.cli.registry import call_timeout
 from towerd.client.sync import Client
 from towerd.protocol.errors import TooSlow, TowerdError
 from towerd.protocol.fields import WATCH_TOPICS
@@ -69,7 +70,7 @@ CHOICES = {
 
 def run_top(args: Any) -> int:
     refresh = max(0.05, float(getattr(args, "refresh", 1.0) or 1.0))
-    source = Source(args.socket, args.timeout)
+    source = Source(args.socket, call_timeout(args))
     if args.json:
         snapshot, _hello = source.read(TOPICS)
         print(dumps_json(snapshot, indent=2, sort_keys=True))

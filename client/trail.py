@@ -19,6 +19,7 @@ import sys
 import time
 
 from towerd.client.cli.output import printable, say
+from towerd.client.cli.registry import call_timeout
 from towerd.client.sync import Client
 from towerd.protocol.errors import TooSlow, TowerdError, Unavailable
 
@@ -67,7 +68,7 @@ class _Tail:
     def client(self) -> Client:
         return Client(
             self.args.socket,
-            timeout=self.args.timeout,
+            timeout=call_timeout(self.args),
             principal=self.args.principal,
             client_name="towerctl",
         )

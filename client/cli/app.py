@@ -32,6 +32,7 @@ from towerd.client.cli.registry import (
     Formatter,
     Parser,
     add_global_options,
+    call_timeout,
 )
 from towerd.client.entry import scan
 from towerd.client.sync import Client
@@ -157,7 +158,10 @@ def run(args: argparse.Namespace) -> int:
             result = args.run(None, args)
         else:
             with Client(
-                args.socket, timeout=args.timeout, principal=args.principal, client_name="towerctl"
+                args.socket,
+                timeout=call_timeout(args),
+                principal=args.principal,
+                client_name="towerctl",
             ) as client:
                 result = args.run(client, args)
         if getattr(args, "raw", False):

@@ -1,4 +1,4 @@
-"""Fleet rows: ``fleet list|get|import-legacy|adopt|restore-plan`` and
+"""Fleet rows: ``fleet list|get|import-legacy|adopt|restore-plan|restore`` and
 ``session register|update|remove``."""
 
 from __future__ import annotations
@@ -123,6 +123,70 @@ def render_restore_plan(result: dict[str, Any]) -> str:
 )
 def cmd_fleet_restore_plan(client: Client, _args: argparse.Namespace) -> Any:
     return client.fleet_restore_plan()
+
+
+def render_restore(result: dict[str, Any]) -> str:
+    lines = [
+        f"{entry['result']:12} {entry['session_id']}  {entry['name'] or '-'}  {entry['agent']}"
+        + (f"  ({entry['reason']})" if entry["reason"] else "")
+        for entry in result["sessions"]
+    ]
+    return "\n".join(lines) or "nothing to restore"
+
+
+@COMMANDS.command(
+    "fleet",
+    "restore",
+    help="bring back, each exactly once per boot, the sessions of the restore plan whose "
+    "agent is gone: each resumed in a tmux window, parents first, waiting for its "
+    "SessionStart (--timeout, default 60 s); exit 1 unless all are live at the end",
+    render=render_restore,
+    options=[
+        arg("--dry-run", action="store_true", help="say what would start; start nothing"),
+        arg(
+            "--session",
+            dest="sessions",
+            nargs="+",
+            metavar="S",
+            action="extend",
+            help="only these sessions (default: every session of the plan)",
+        ),
+        arg(
+            "--tmux-session",
+            default="towerd",
+            metavar="NAME",
+            help="the tmux session the agents' windows go in (default: towerd)",
+        ),
+        arg("--tmux-socket", default=None, metavar="NAME", help="tmux's -L socket name"),
+        arg(
+            "--config",
+            default=None,
+            metavar="FILE",
+            local_path=True,
+            help="the launch commands per agent kind (default: "
+            "$XDG_CONFIG_HOME/towerd/restore.toml)",
+        ),
+    ],  # fmt: skip
+)
+def cmd_fleet_restore(client: Client, args: argparse.Namespace) -> Any:
+    from towerd.client.cli.output import LocalFailure, Unhealthy
+    from towerd.client.restore import DEFAULT_TIMEOUT, Options, RestoreError, restore
+
+    options = Options(
+        sessions=args.sessions,
+        dry_run=args.dry_run,
+        tmux_session=args.tmux_session,
+        tmux_socket=args.tmux_socket,
+        timeout=DEFAULT_TIMEOUT if args.timeout is None else args.timeout,
+        config=args.config,
+    )
+    try:
+        result = restore(client, options)
+    except RestoreError as exc:
+        raise LocalFailure("restore_failed", str(exc)) from None
+    if not result["ok"]:
+        raise Unhealthy(result)
+    return result
 
 
 # --- session -----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from towerd.client.agents import AGENTS, DEFAULT_GUARD, GUARD_POLICIES
 from towerd.client.cli.output import LocalFailure, UsageError, when
-from towerd.client.cli.registry import Commands, arg
+from towerd.client.cli.registry import Commands, arg, call_timeout
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -148,7 +148,10 @@ def ask_daemon(args: argparse.Namespace) -> tuple[list[dict[str, Any]] | None, d
     socket_path = args.socket or default_socket_path()
     try:
         with Client(
-            socket_path, timeout=args.timeout, principal=args.principal, client_name="towerctl"
+            socket_path,
+            timeout=call_timeout(args),
+            principal=args.principal,
+            client_name="towerctl",
         ) as client:
             kinds: list[Any] = client.event_last_seen()["kinds"]
     except (TowerdError, OSError) as exc:

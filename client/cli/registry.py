@@ -94,8 +94,20 @@ def add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> No
         help="whose idempotency keys to use (default: default)",
     )
     group.add_argument(
-        "--timeout", type=float, default=default(10.0), help="seconds to wait for an answer"
+        "--timeout",
+        type=float,
+        default=default(None),
+        help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT:g}; `fleet restore`: "
+        "for each session's SessionStart, default 60)",
     )
+
+
+DEFAULT_TIMEOUT = 10.0  # seconds towerctl waits for an answer when --timeout is not given
+
+
+def call_timeout(args: argparse.Namespace) -> float:
+    """The seconds to wait for the daemon's answer: --timeout, else the default."""
+    return DEFAULT_TIMEOUT if args.timeout is None else float(args.timeout)
 
 
 class Arg:

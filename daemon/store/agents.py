@@ -103,7 +103,9 @@ def hook_event(tx: Tx, caller: Caller, params: HookEventParams) -> HookEventResu
 
 def _session_of_hook(tx: Tx, params: HookEventParams) -> tuple[str | None, bool]:
     """(the session the event belongs to, whether this event registered it)."""
-    if params.session_id is not None and fleet.own_row(tx, params.session_id) is not None:
+    if params.session_id is not None and (row := fleet.own_row(tx, params.session_id)):
+        if params.kind == SESSION_START and params.agent_session_id not in (None, row[1]):
+            _adopt_agent_session(tx, params.session_id, params.agent_session_id)
         return params.session_id, False
     if params.agent_session_id is None:
         return None, False
@@ -128,6 +130,18 @@ def _session_of_hook(tx: Tx, params: HookEventParams) -> tuple[str | None, bool]
         ),
     )
     return session_id, True
+
+
+def _adopt_agent_session(tx: Tx, session_id: str, agent_session_id: str | None) -> None:
+    """A SessionStart under TOWERD_SESSION_ID reports a new agent session id (a resume
+    that forked, a restore): the row takes it, unless another row of this fleet has it."""
+    taken = tx.conn.execute(
+        "SELECT 1 FROM sessions WHERE agent_session_id = ? AND daemon_id = ?",
+        (agent_session_id, tx.daemon_id),
+    ).fetchone()
+    if taken is None:
+        fleet.require_writable(tx, [session_id])
+        fleet.update_fields(tx, session_id, {"agent_session_id": agent_session_id})
 
 
 def _fill_in(tx: Tx, session_id: str, params: HookEventParams) -> None:

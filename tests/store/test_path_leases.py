@@ -230,3 +230,20 @@ async def test_inside_an_agent_session_a_claim_acts_for_that_session_only(short_
         person.lineage = (DEAD,)
         freed = await store.write(agents.release, person, PathReleaseParams(["/w/a.py"]))
         assert (freed.released, freed.session_id) == (["/w/a.py"], None)
+
+
+async def test_a_session_start_under_towerd_session_id_adopts_a_new_agent_session_id(
+    short_tmp: Path,
+) -> None:
+    """A restored (or forked) agent reports a new agent session id under its towerd
+    session: the row takes it, unless another row of the fleet already has it."""
+    async with opened(short_tmp) as store:
+        session = await register(store, agent_session_id="old")
+        other = await register(store, agent_session_id="taken")
+        await hook(store, "SessionStart", "new", session_id=session)
+        assert (await row(store, session)).agent_session_id == "new"
+        await hook(store, "SessionStart", "taken", session_id=session)
+        assert (await row(store, session)).agent_session_id == "new"
+        assert (await row(store, other)).agent_session_id == "taken"
+        await hook(store, "PreToolUse", "another", session_id=session)  # not a SessionStart
+        assert (await row(store, session)).agent_session_id == "new"

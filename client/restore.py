@@ -1,0 +1,398 @@
+"""``towerctl fleet restore``: bring the fleet's sessions back after a crash or a reboot,
+each exactly once per boot.
+
+For each entry of the daemon's restore plan (parents first) whose agent is gone and
+that did not end, the agent is launched in its cwd, resuming its agent session, with
+``TOWERD_SESSION_ID`` in its environment, in a window of one tmux session; then the
+run waits for that session's SessionStart (the installed hook reports it, matched by
+``TOWERD_SESSION_ID``) before the next. A sub-session never starts before its parent's
+SessionStart arrived, whichever run launched the parent.
+
+Exactly once: each launch runs under the idempotency key ``fleet.restore`` /
+``<boot id>:<session id>`` held by this process. A repeated, retried or concurrent run
+finds the key completed (launched earlier this boot) or in progress (another run is
+launching it: it waits for that launch's SessionStart). A key whose run died mid-launch
+is ``outcome_unknown``: it is settled from evidence, the session's SessionStart after
+the claim or a live process of this user whose environment carries the session's
+``TOWERD_SESSION_ID``; without either it is relaunched only once the launch timeout
+has passed since the claim (until then the evidence may still come).
+
+The launch command per agent kind is a table (``DEFAULT_LAUNCHERS``, overridden by the
+TOML file ``$XDG_CONFIG_HOME/towerd/restore.toml``); an agent kind without one is
+skipped and reported.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from towerd.protocol.errors import IdempotencyInProgress, OutcomeUnknown
+
+OPERATION = "fleet.restore"
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+DEFAULT_TMUX_SESSION = "towerd"
+DEFAULT_TIMEOUT = 60.0  # seconds a launch may take to report its SessionStart
+POLL = 0.2  # seconds between looks at the daemon while waiting
+
+# Per agent kind: the command that resumes a session, then the arguments added when
+# the session has a model or an effort. ``{agent_session_id}``, ``{model}``,
+# ``{effort}``, ``{cwd}``, ``{session_id}`` are filled in.
+DEFAULT_LAUNCHERS: dict[str, dict[str, list[str]]] = {
+    "claude": {
+        "command": ["claude", "--resume", "{agent_session_id}"],
+        "model": ["--model", "{model}"],
+        "effort": [],  # Claude Code takes no effort flag
+    },
+    "codex": {
+        "command": ["codex", "resume", "{agent_session_id}"],
+        "model": ["--model", "{model}"],
+        "effort": ["-c", "model_reasoning_effort={effort}"],
+    },
+}
+
+
+class RestoreError(Exception):
+    """The restore cannot run at all (no tmux, a bad launcher table)."""
+
+
+@dataclass
+class Outcome:
+    """What became of one session."""
+
+    session_id: str
+    name: str | None
+    agent: str
+    result: str  # started, already_live, skipped, failed
+    reason: str = ""
+    window: str | None = None
+    argv: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Options:
+    sessions: list[str] | None = None  # only these (default: the whole plan)
+    dry_run: bool = False
+    tmux_session: str = DEFAULT_TMUX_SESSION
+    tmux_socket: str | None = None  # tmux -L
+    timeout: float = DEFAULT_TIMEOUT
+    config: str | None = None  # the launcher table's file
+
+
+def boot_id() -> str:
+    with open(BOOT_ID_PATH) as handle:
+        return handle.read().strip()
+
+
+def config_path() -> str:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "towerd", "restore.toml")
+
+
+def launchers(path: str | None = None) -> dict[str, dict[str, list[str]]]:
+    """The defaults, with the agent kinds of the TOML file (if any) replacing theirs:
+    ``[agents.NAME]`` with ``command``, ``model``, ``effort`` (lists of strings)."""
+    import tomllib
+
+    table = {kind: dict(spec) for kind, spec in DEFAULT_LAUNCHERS.items()}
+    path = path or config_path()
+    try:
+        with open(path, "rb") as handle:
+            loaded = tomllib.load(handle)
+    except FileNotFoundError:
+        return table
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RestoreError(f"{path}: {exc}") from None
+    agents = loaded.get("agents", {})
+    if not isinstance(agents, dict):
+        raise RestoreError(f"{path}: [agents] must be a table")
+    for kind, spec in agents.items():
+        if not isinstance(spec, dict) or not _strings(spec.get("command")) or not spec["command"]:
+            raise RestoreError(f"{path}: agents.{kind}.command must be a list of strings")
+        for extra in ("model", "effort"):
+            if extra in spec and not _strings(spec[extra]):
+                raise RestoreError(f"{path}: agents.{kind}.{extra} must be a list of strings")
+        table[kind] = {
+            "command": spec["command"],
+            **{k: spec.get(k, []) for k in ("model", "effort")},
+        }
+    return table
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def launch_argv(entry: dict[str, Any], spec: dict[str, list[str]]) -> list[str]:
+    """The agent's command line for a plan entry; argv[0] resolved on PATH."""
+    fields = {
+        name: entry.get(name) or ""
+        for name in ("agent_session_id", "model", "effort", "cwd", "session_id")
+    }
+    argv = [part.format(**fields) for part in spec["command"]]
+    for extra in ("model", "effort"):
+        if entry.get(extra):
+            argv += [part.format(**fields) for part in spec.get(extra, [])]
+    program = shutil.which(argv[0])
+    if program is None:
+        raise FileNotFoundError(f"{argv[0]} is not on PATH")
+    return [os.path.abspath(program), *argv[1:]]
+
+
+# --- tmux ---------------------------------------------------------------------------------
+
+
+def _tmux(options: Options, *args: str) -> subprocess.CompletedProcess[str]:
+    base = ["tmux"] + (["-L", options.tmux_socket] if options.tmux_socket else [])
+    return subprocess.run([*base, *args], capture_output=True, text=True, timeout=30)
+
+
+def launch_in_tmux(
+    options: Options, window: str, cwd: str, session_id: str, argv: list[str]
+) -> str:
+    """Start ``argv`` in a new window of the fleet's tmux session (made if missing) with
+    TOWERD_SESSION_ID set; returns the window's id."""
+    command = "exec " + shlex.join(argv)
+    common = [
+        "-P",
+        "-F",
+        "#{window_id}",
+        "-n",
+        window,
+        "-c",
+        cwd,
+        "-e",
+        f"TOWERD_SESSION_ID={session_id}",
+    ]
+    target = options.tmux_session
+    if _tmux(options, "has-session", "-t", f"={target}").returncode != 0:
+        made = _tmux(options, "new-session", "-d", "-s", target, *common, command)
+        if made.returncode == 0:
+            return made.stdout.strip()
+        # Another run made it meanwhile ("duplicate session"): a window in it, then.
+    done = _tmux(options, "new-window", "-d", "-t", f"={target}:", *common, command)
+    if done.returncode != 0:
+        raise OSError(f"tmux new-window failed: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def pane_alive(options: Options, window_id: str) -> bool:
+    done = _tmux(options, "list-panes", "-t", window_id, "-F", "#{pane_dead}")
+    return done.returncode == 0 and "0" in done.stdout.split()
+
+
+# --- evidence -----------------------------------------------------------------------------
+
+
+def processes_with_session(session_id: str) -> list[int]:
+    """Live processes of this user whose environment carries TOWERD_SESSION_ID=session_id."""
+    needle = f"TOWERD_SESSION_ID={session_id}".encode()
+    uid, found = os.geteuid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/environ", "rb") as handle:
+                environ = handle.read()
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                state = handle.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in (b"Z", b"X") and needle in environ.split(b"\0"):
+            found.append(int(name))
+    return found
+
+
+class Restorer:
+    """One run over the plan, against one client."""
+
+    def __init__(self, client: Any, options: Options) -> None:
+        self.client = client
+        self.options = options
+        self.boot = boot_id()
+        self.table = launchers(options.config)
+
+    # --- what the daemon says -------------------------------------------------------
+
+    def row(self, session_id: str) -> dict[str, Any]:
+        return dict(self.client.fleet_get(session_id))
+
+    def is_live(self, session_id: str) -> bool:
+        return self.row(session_id).get("live") is True or bool(processes_with_session(session_id))
+
+    def session_started_since(self, session_id: str, since: int) -> bool:
+        events = self.client.event_list(session_ids=[session_id], kinds=["SessionStart"], limit=1)
+        return any(event["at"] >= since for event in events["events"])
+
+    def wait(self, condition: Any, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            if condition():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL)
+
+    # --- the run --------------------------------------------------------------------
+
+    def run(self) -> list[Outcome]:
+        plan = self.client.fleet_restore_plan()["sessions"]
+        wanted = set(self.options.sessions) if self.options.sessions is not None else None
+        outcomes = []
+        for entry in plan:
+            if wanted is not None and entry["session_id"] not in wanted:
+                continue
+            outcomes.append(self.restore(entry))
+        if wanted is not None:
+            known = {entry["session_id"] for entry in plan}
+            for missing in sorted(wanted - known):
+                outcomes.append(
+                    Outcome(
+                        missing,
+                        None,
+                        "?",
+                        "skipped",
+                        "not in the restore plan (ended, or not in this fleet)",
+                    )
+                )
+        return outcomes
+
+    def restore(self, entry: dict[str, Any]) -> Outcome:
+        session_id, agent = entry["session_id"], entry["agent"]
+        outcome = Outcome(session_id, entry.get("name"), agent, "skipped")
+        if self.is_live(session_id):
+            outcome.result, outcome.reason = "already_live", "its agent runs"
+            return outcome
+        spec = self.table.get(agent)
+        if spec is None:
+            outcome.reason = (
+                f"no launch command for agent kind {agent!r} "
+                f"(add [agents.{agent}] to {self.options.config or config_path()})"
+            )
+            return outcome
+        if "{agent_session_id}" in " ".join(spec["command"]) and not entry.get("agent_session_id"):
+            outcome.reason = "no agent session id to resume"
+            return outcome
+        try:
+            outcome.argv = launch_argv(entry, spec)
+        except FileNotFoundError as exc:
+            outcome.result, outcome.reason = "failed", str(exc)
+            return outcome
+        if self.options.dry_run:
+            outcome.result, outcome.reason = "skipped", "dry run: would start"
+            return outcome
+        parent = entry.get("parent")
+        # Its parent's SessionStart must have arrived (its row shows its agent live): a
+        # process that carries its TOWERD_SESSION_ID but has not reported is not enough.
+        if parent and not self.wait(
+            lambda: self.row(parent).get("live") is True, self.options.timeout
+        ):
+            outcome.result = "failed"
+            outcome.reason = f"its parent {parent} did not start within {self.options.timeout:g} s"
+            return outcome
+        return self.launch_once(entry, outcome)
+
+    def launch_once(self, entry: dict[str, Any], outcome: Outcome) -> Outcome:
+        session_id = entry["session_id"]
+        key = f"{self.boot}:{session_id}"
+        payload = {"session_id": session_id, "boot_id": self.boot}
+        while True:
+            try:
+                claimed = self.client.idem_claim(OPERATION, key, payload=payload)
+            except IdempotencyInProgress:
+                return self.started_elsewhere(outcome, "another restore run is launching it")
+            except OutcomeUnknown:
+                if self.settle_unknown(key, session_id):
+                    return self.started_elsewhere(
+                        outcome, "launched by a run that died; it came up"
+                    )
+                continue  # abandoned: no launch happened, claim again
+            if claimed["state"] == "completed":
+                return self.started_elsewhere(outcome, "launched earlier this boot")
+            break
+        record = self.client.idem_get(OPERATION, key)
+        window = self.options.tmux_session + ":" + (entry.get("name") or session_id[:8])
+        try:
+            window_id = launch_in_tmux(
+                self.options,
+                entry.get("name") or session_id[:8],
+                entry["cwd"],
+                session_id,
+                outcome.argv,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.client.idem_release(OPERATION, key)  # nothing started: a retry may launch
+            outcome.result, outcome.reason = "failed", f"could not launch: {exc}"
+            return outcome
+        outcome.window = window
+        started = self.wait(
+            lambda: self.session_started_since(session_id, record["created_at"]),
+            self.options.timeout,
+        )
+        if not started and not pane_alive(self.options, window_id):
+            self.client.idem_release(OPERATION, key)  # the agent is gone: a retry may launch
+            outcome.result = "failed"
+            outcome.reason = f"the agent exited before its SessionStart (tmux {window})"
+            return outcome
+        self.client.idem_complete(
+            OPERATION, key, result={"window": window, "window_id": window_id, "argv": outcome.argv}
+        )
+        if not started:
+            outcome.result = "failed"
+            outcome.reason = (
+                f"no SessionStart within {self.options.timeout:g} s (it runs in tmux {window}; "
+                "are towerd's hooks installed? towerctl hooks status)"
+            )
+            return outcome
+        outcome.result, outcome.reason = "started", f"in tmux {window}"
+        return outcome
+
+    def settle_unknown(self, key: str, session_id: str) -> bool:
+        """A launch whose run died: True if it happened (settled completed), False once
+        it is known not to have (settled abandoned). Waits while evidence may come."""
+        record = self.client.idem_get(OPERATION, key)
+        since = record["created_at"]
+
+        def evidence() -> bool:
+            return self.session_started_since(session_id, since) or bool(
+                processes_with_session(session_id)
+            )
+
+        # The launch timeout counts from the claim (daemon milliseconds).
+        waited_ms = max(0, self.client.ping()["now"] - since)
+        left = max(0.0, self.options.timeout - waited_ms / 1000)
+        if self.wait(evidence, left):
+            self.client.idem_resolve(OPERATION, key, "completed", result={"settled": "evidence"})
+            return True
+        self.client.idem_resolve(OPERATION, key, "abandoned")
+        return False
+
+    def started_elsewhere(self, outcome: Outcome, why: str) -> Outcome:
+        """Launched by another run (or an earlier one): live within the timeout?"""
+        if self.wait(lambda: self.is_live(outcome.session_id), self.options.timeout):
+            outcome.result, outcome.reason = "already_live", why
+        else:
+            outcome.result = "failed"
+            outcome.reason = (
+                f"{why}, but it is not live (to launch it again this boot: towerctl idem "
+                f"reopen {OPERATION} {self.boot}:{outcome.session_id})"
+            )
+        return outcome
+
+
+def restore(client: Any, options: Options) -> dict[str, Any]:
+    """Run the restore; the report ``towerctl fleet restore`` prints."""
+    if shutil.which("tmux") is None and not options.dry_run:
+        raise RestoreError("tmux is not installed: fleet restore starts agents in tmux windows")
+    outcomes = Restorer(client, options).run()
+    return {
+        "ok": all(o.result in ("started", "already_live") for o in outcomes if not options.dry_run),
+        "sessions": [vars(o) for o in outcomes],
+    }

@@ -1,0 +1,214 @@
+"""``towerctl fleet restore`` end to end: a real daemon, towerd's hooks installed into a
+temporary $HOME, a fake ``claude`` first on PATH (it records its argv and environment,
+runs the installed SessionStart hook as Claude Code would, and stays alive), and a
+real tmux server on a private socket (``tmux -L``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from towerd_testing import TOWERCTL, Daemon, wait_for
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+
+FAKE_CLAUDE = """\
+#!{python}
+# A stand-in for Claude Code: record how it was started, then run the installed
+# SessionStart hook through sh -c with Claude's JSON on stdin, then stay alive.
+import json, os, subprocess, sys, time
+argv = sys.argv[1:]
+with open(os.environ["FAKE_AGENT_LOG"], "a") as log:
+    log.write(json.dumps({{"argv": argv, "pid": os.getpid(), "cwd": os.getcwd(),
+                          "session": os.environ.get("TOWERD_SESSION_ID")}}) + "\\n")
+gate = os.environ.get("FAKE_AGENT_GATE")
+while gate and not os.path.exists(gate):
+    time.sleep(0.05)
+resumed = argv[argv.index("--resume") + 1] if "--resume" in argv else "fresh"
+settings = json.load(open(os.path.expanduser("~/.claude/settings.json")))
+command = settings["hooks"]["SessionStart"][-1]["hooks"][-1]["command"]
+payload = {{"session_id": resumed, "cwd": os.getcwd(), "hook_event_name": "SessionStart",
+           "source": "resume", "transcript_path": "/t/" + resumed + ".jsonl"}}
+subprocess.run(["sh", "-c", command], input=json.dumps(payload).encode(), check=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+class Fleet:
+    """The daemon, the environment agents and restores run in, and the fake agent's log."""
+
+    def __init__(self, root: Path, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.home = root / "home"
+        self.bin = root / "bin"
+        self.log = root / "agents.log"
+        self.tmux_socket = f"towerd-test-{uuid.uuid4().hex[:8]}"
+        self.home.mkdir()
+        self.bin.mkdir()
+        claude = self.bin / "claude"
+        claude.write_text(FAKE_CLAUDE.format(python=sys.executable))
+        claude.chmod(0o755)
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("TOWERD_", "TMUX"))},
+            "HOME": str(self.home),
+            "PATH": f"{self.bin}:/usr/local/bin:/usr/bin:/bin",
+            "TOWERD_SOCKET": str(daemon.socket_path),
+            "FAKE_AGENT_LOG": str(self.log),
+        }
+        done = subprocess.run(
+            [TOWERCTL, "hooks", "install", "--agent", "claude"], env=self.env, capture_output=True
+        )
+        assert done.returncode == 0, done
+        self.work = root / "work"
+        self.work.mkdir()
+
+    def launches(self) -> list[dict]:
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines()]
+
+    def restore(self, *args: str, **popen) -> subprocess.Popen:
+        return subprocess.Popen(
+            [TOWERCTL, "--json", "fleet", "restore", "--tmux-socket", self.tmux_socket,
+             "--timeout", "20", *args],
+            env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+        )  # fmt: skip
+
+    def restored(self, *args: str) -> tuple[int, dict]:
+        proc = self.restore(*args)
+        out, err = proc.communicate(timeout=120)
+        return proc.returncode, json.loads(out) if out.strip() else {"stderr": err}
+
+    def dead_sessions(self, count: int = 3) -> list[str]:
+        """``count`` sessions (the last a sub-session of the first) that ran under a fake
+        agent, reported their SessionStart, and whose agent then died (kill -9)."""
+        ids = []
+        with self.daemon.client() as client:
+            for n in range(count):
+                parent = ids[0] if n == count - 1 and ids else None
+                ids.append(
+                    client.session_register(
+                        cwd=str(self.work), agent="claude", name=f"s{n}",
+                        agent_session_id=f"agent-{n}-{uuid.uuid4().hex[:6]}", parent=parent,
+                    )["session_id"]
+                )  # fmt: skip
+            rows = {row["session_id"]: row for row in client.fleet_list()["sessions"]}
+        for session_id in ids:
+            agent = subprocess.Popen(
+                [str(self.bin / "claude"), "--resume", rows[session_id]["agent_session_id"]],
+                env={**self.env, "TOWERD_SESSION_ID": session_id, "FAKE_AGENT_LOG": os.devnull},
+                cwd=self.work,
+            )
+            with self.daemon.client() as client:
+                wait_for(lambda s=session_id: client.fleet_get(s)["live"] is True, what="live")
+            agent.send_signal(signal.SIGKILL)
+            agent.wait(10)
+        with self.daemon.client() as client:
+            for session_id in ids:
+                wait_for(lambda s=session_id: client.fleet_get(s)["live"] is False, what="gone")
+        return ids
+
+    def close(self) -> None:
+        subprocess.run(["tmux", "-L", self.tmux_socket, "kill-server"], capture_output=True)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, daemon: Daemon):
+    made = Fleet(tmp_path, daemon)
+    yield made
+    made.close()
+
+
+def started(fleet: Fleet) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for launch in fleet.launches():
+        counts[launch["session"]] = counts.get(launch["session"], 0) + 1
+    return counts
+
+
+def test_two_runs_at_once_start_each_session_once_parents_first(fleet: Fleet):
+    parent, other, child = fleet.dead_sessions()
+    runs = [fleet.restore(), fleet.restore()]
+    outputs = [run.communicate(timeout=120) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    assert started(fleet) == {parent: 1, other: 1, child: 1}
+    order = [launch["session"] for launch in fleet.launches()]
+    assert order.index(parent) < order.index(child)
+    (first,) = [launch for launch in fleet.launches() if launch["session"] == parent]
+    with fleet.daemon.client() as client:
+        row = client.fleet_get(parent)
+        assert first["argv"] == ["--resume", row["agent_session_id"]]
+        assert first["cwd"] == str(fleet.work)
+        assert all(client.fleet_get(s)["live"] is True for s in (parent, other, child))
+    reports = [json.loads(out) for out, _err in outputs]
+    results = sorted(entry["result"] for report in reports for entry in report["sessions"])
+    assert results.count("started") == 3 and results.count("already_live") == 3
+
+    # A third run starts nothing: every session is live.
+    code, report = fleet.restored()
+    assert code == 0 and {e["result"] for e in report["sessions"]} == {"already_live"}
+    assert started(fleet) == {parent: 1, other: 1, child: 1}
+
+
+def test_a_run_killed_mid_launch_and_rerun_still_starts_each_once(fleet: Fleet, tmp_path: Path):
+    sessions = fleet.dead_sessions()
+    gate = tmp_path / "gate"
+    fleet.env["FAKE_AGENT_GATE"] = str(gate)  # agents wait before their SessionStart
+    run = fleet.restore()
+    wait_for(lambda: len(fleet.launches()) == 1, timeout=20, what="the first launch")
+    run.send_signal(signal.SIGKILL)  # mid-launch: its key is held by a dead process
+    run.communicate(timeout=30)
+    gate.touch()
+    code, report = fleet.restored()
+    assert code == 0, report
+    assert started(fleet) == dict.fromkeys(sessions, 1)
+
+
+def test_dry_run_and_unknown_agent_kinds(fleet: Fleet):
+    with fleet.daemon.client() as client:
+        odd = client.session_register(cwd=str(fleet.work), agent="aider", agent_session_id="a-1")[
+            "session_id"
+        ]
+        plain = client.session_register(
+            cwd=str(fleet.work), agent="claude", agent_session_id="c-1"
+        )["session_id"]
+    code, report = fleet.restored("--dry-run")
+    assert code == 0
+    by_id = {entry["session_id"]: entry for entry in report["sessions"]}
+    assert by_id[plain]["reason"].startswith("dry run") and by_id[plain]["argv"][1:] == [
+        "--resume", "c-1",
+    ]  # fmt: skip
+    assert fleet.launches() == []
+    code, report = fleet.restored("--session", odd)
+    assert code == 1  # an unknown agent kind is not restored
+    (entry,) = report["sessions"]
+    assert entry["result"] == "skipped" and "aider" in entry["reason"]
+
+
+def test_the_launch_table_is_configurable(fleet: Fleet, tmp_path: Path):
+    config = tmp_path / "restore.toml"
+    config.write_text(
+        textwrap.dedent("""\
+            [agents.claude]
+            command = ["claude", "--resume", "{agent_session_id}", "--from-config"]
+            model = ["--model", "{model}"]
+        """)
+    )
+    with fleet.daemon.client() as client:
+        session = client.session_register(
+            cwd=str(fleet.work), agent="claude", agent_session_id="c-2", model="opus"
+        )["session_id"]
+    code, report = fleet.restored("--config", str(config), "--session", session)
+    assert code == 0, report
+    (launch,) = fleet.launches()
+    assert launch["argv"] == ["--resume", "c-2", "--from-config", "--model", "opus"]
