@@ -32,6 +32,19 @@ DISPATCH_STATUSES = ("claimed", "running", "completed", "failed", "stuck", "canc
 AUDIT_CATEGORIES = ("worker", "lease", "dispatch")
 MESSAGE_STATUSES = ("queued", "delivered", "read")
 ATTENTIONS = ("running", "needs_you", "done", "exited")
+# The attention rule (docs/protocol.md §14): the kinds of a session's newest event that
+# say it needs you, is done or ended; any other kind is running; an exited row exited.
+ATTENTION_BY_KIND = {"Notification": "needs_you", "Stop": "done", "SessionEnd": "exited"}
+
+
+def attention(exited: bool, last_kind: str | None) -> str:
+    """A session's attention from its row's ``exited`` and its newest event's kind (the
+    daemon's session.activity and towerctl notify both decide by this)."""
+    if exited:
+        return "exited"
+    return ATTENTION_BY_KIND.get(last_kind or "", "running")
+
+
 WATCH_TOPICS = ("fleet", "events", "idem", "leases", "effects", "dispatch")
 AGENTS = ("claude", "codex")  # the agents whose hooks ``towerctl hook`` reads
 GUARD_POLICIES = ("deny", "warn", "off")  # what a hook does when another session holds a path

@@ -58,6 +58,7 @@ COMMAND_GROUPS = {
     "kv": "dispatch", "workers": "dispatch", "dispatch": "dispatch", "audit": "dispatch",
     "hook": "trail", "hook-report": "trail", "events": "trail", "message": "trail", "top": "trail",
     "hooks": "hooks",
+    "notify": "notify",
 }  # fmt: skip
 
 

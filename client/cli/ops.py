@@ -92,7 +92,8 @@ def cmd_doctor(_client: None, args: argparse.Namespace) -> Any:
 
 @COMMANDS.command(
     "install-systemd",
-    help="install towerd.service and towerd.socket as user units",
+    help="install towerd.service and towerd.socket as user units (--notify: and "
+    "towerd-notify.service)",
     options=[
         arg(
             "--dir",
@@ -103,7 +104,25 @@ def cmd_doctor(_client: None, args: argparse.Namespace) -> Any:
         arg(
             "--enable",
             action="store_true",
-            help="also run systemctl --user daemon-reload and enable --now towerd.socket",
+            help="also run systemctl --user daemon-reload and enable --now towerd.socket "
+            "(and towerd-notify.service)",
+        ),
+        arg(
+            "--notify",
+            action="store_true",
+            help="also install towerd-notify.service, running `towerctl notify` (with "
+            "--notify-exec CMD, else --desktop)",
+        ),
+        arg(
+            "--notify-exec",
+            default=None,
+            metavar="CMD",
+            help="the service runs `towerctl notify --exec CMD` (implies --notify)",
+        ),
+        arg(
+            "--notify-desktop",
+            action="store_true",
+            help="the service runs `towerctl notify --desktop` (implies --notify; the default)",
         ),
     ],
     offline=True,
@@ -113,8 +132,19 @@ def cmd_install_systemd(_client: None, args: argparse.Namespace) -> Any:
 
     from towerd.client.systemd_units import SystemctlFailed, install_units
 
+    notify_args = None
+    if args.notify_exec is not None and args.notify_desktop:
+        raise UsageError("give --notify-exec CMD or --notify-desktop, not both")
+    if args.notify_exec is not None:
+        if not args.notify_exec.strip():
+            raise UsageError("--notify-exec needs a command")
+        notify_args = ["--exec", args.notify_exec]
+    elif args.notify or args.notify_desktop:
+        notify_args = ["--desktop"]
     try:
-        return install_units(Path(args.dir) if args.dir else None, enable=args.enable)
+        return install_units(
+            Path(args.dir) if args.dir else None, enable=args.enable, notify_args=notify_args
+        )
     except SystemctlFailed as exc:
         raise LocalFailure("systemctl_failed", str(exc), exc.data()) from None
 

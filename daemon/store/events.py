@@ -16,6 +16,7 @@ from typing import Any
 from towerd.daemon.store import fleet, quota
 from towerd.daemon.store.tx import Caller, Tx, fitted, note, pack, take_page, unpack
 from towerd.protocol.errors import BadArgs
+from towerd.protocol.fields import attention
 from towerd.protocol.methods import (
     Empty,
     EventListParams,
@@ -31,15 +32,8 @@ from towerd.protocol.methods import (
 )
 
 HEARTBEAT = "heartbeat"
-_ATTENTION_BY_KIND = {"Notification": "needs_you", "Stop": "done", "SessionEnd": "exited"}
 # Hook events that end a session, or start it again, in its fleet row too.
 _EXITED_BY_KIND = {"SessionEnd": True, "SessionStart": False}
-
-
-def attention(exited: bool, last_kind: str | None) -> str:
-    if exited:
-        return "exited"
-    return _ATTENTION_BY_KIND.get(last_kind or "", "running")
 
 
 def record(tx: Tx, caller: Caller, params: EventRecordParams) -> EventRecordResult:
