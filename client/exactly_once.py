@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from towerd.client.cli.output import UsageError, dumps_json, say
-from towerd.client.cli.registry import call_timeout
 from towerd.client.cli.output import is_utf8 as _is_utf8
 from towerd.client.cli.output import json_arg as _json_arg
+from towerd.client.cli.registry import call_timeout
 from towerd.client.idempotent import EffectNotStarted, SyncDriver
 from towerd.client.retry import FAIL_FAST, PATIENT, RetryPolicy
 from towerd.client.sync import Client
