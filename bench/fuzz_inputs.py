@@ -366,6 +366,8 @@ VETTED = frozenset(
         "effect.resolve",
         "effect.get",
         "effect.list",
+        # not "effect.settle": its probes run git against recorded remotes and run
+        # recorded shell commands (towerctl run --probe): not the daemon's own database
         # workers, dispatch, audit, kv, the trail, messages: the daemon's own database only
         # (worker.register makes the fuzzing process a worker; it is reaped when it exits)
         "worker.register",

@@ -328,6 +328,7 @@ class AsyncClient(_AsyncMethods):
         heartbeat_interval: float | None = 30.0,
         lease_ttl_ms: int | None = None,
         timeout_ms: int | None = None,
+        git: Mapping[str, str] | None = None,
     ) -> AbstractAsyncContextManager[ClaimedEffect]:
         """``async with client.effect(...) as fx:`` the async twin of ``Client.effect``;
         heartbeats run as a task on this connection."""
@@ -335,7 +336,7 @@ class AsyncClient(_AsyncMethods):
 
         return effect_async(self, EffectSpec(
             run_id, step_id, action_kind, target_ref, payload, attempt_id, heartbeat_interval,
-            lease_ttl_ms, timeout_ms,
+            lease_ttl_ms, timeout_ms, None if git is None else dict(git),
         ))  # fmt: skip
 
     def reopened(self) -> AbstractAsyncContextManager[AsyncClient]:

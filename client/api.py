@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # annotations only: hooks import this module
         EffectClaimResult,
         EffectListResult,
         EffectRecord,
+        EffectSettleResult,
         EventLastSeenResult,
         EventListResult,
         EventRecordResult,
@@ -145,11 +146,15 @@ class TowerdAPI:
         holder_pid: int | None = None,
         replay_only: bool = False,
         attempt: str | None = None,
+        probe: str | None = None,
+        probe_cwd: str | None = None,
     ) -> IdemClaimResult:
         """``{"state": "claimed", "effect_ref"}`` or ``{"state": "completed", "result", ...}``.
 
         ``attempt``: a token of your own for this claim; repeat it when retrying a
         claim whose answer was lost, and the retry is answered ``claimed`` again.
+        ``probe``: a shell command the daemon runs (in ``probe_cwd``) if the outcome
+        becomes unknown: exit 0 = it happened, 1 = it did not, else cannot tell.
         """
         return self.call(
             "idem.claim",
@@ -161,6 +166,8 @@ class TowerdAPI:
                 holder_pid=holder_pid,
                 replay_only=replay_only or None,
                 attempt=attempt,
+                probe=probe,
+                probe_cwd=probe_cwd,
             ),
         )
 
@@ -242,8 +249,13 @@ class TowerdAPI:
         payload: Any = None,
         timeout_ms: int | None = None,
         lease_ttl_ms: int | None = None,
+        git: Mapping[str, str] | None = None,
     ) -> EffectClaimResult:
-        """``{effect_key, status, attempt_id, lease_resource?, fencing_token?}``."""
+        """``{effect_key, status, attempt_id, lease_resource?, fencing_token?}``.
+
+        ``git`` (git-push only): ``{repo, remote_url, commit, ref}``, what the push
+        sends where, so that the daemon can probe the remote if its outcome is lost.
+        """
         return self.call(
             "effect.claim",
             _given(
@@ -255,6 +267,7 @@ class TowerdAPI:
                 payload=payload,
                 timeout_ms=timeout_ms,
                 lease_ttl_ms=lease_ttl_ms,
+                git=None if git is None else dict(git),
             ),
         )
 
@@ -295,6 +308,15 @@ class TowerdAPI:
 
     def effect_list(self, run_id: str) -> EffectListResult:
         return self.call("effect.list", {"run_id": run_id})
+
+    def effect_settle(self, *effect_keys: str, run_id: str | None = None) -> EffectSettleResult:
+        """Run the evidence probes now: of these effects, or of ``run_id``'s unsettled
+        effects, or (neither given) of every unsettled effect and every outcome_unknown
+        key with a probe. ``{outcomes: [{verdict, status, evidence, effect_key |
+        principal, operation, key}]}``."""
+        return self.call(
+            "effect.settle", _given(effect_keys=list(effect_keys) or None, run_id=run_id)
+        )
 
     # --- workers and the dispatch ledger ------------------------------------------------------
 

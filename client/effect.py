@@ -88,7 +88,8 @@ class EffectSpec:
     what it does (run, step, kind, target: its key), its payload, the attempt (minted
     when not given) and how it is kept alive (heartbeat every ``heartbeat_interval``
     seconds, ``None`` or 0 for none; the lease's TTL; the silence after which the
-    daemon parks it)."""
+    daemon parks it), and for a git-push what it pushes where (``git``: the evidence
+    probe's target)."""
 
     run_id: str
     step_id: str
@@ -99,6 +100,9 @@ class EffectSpec:
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL
     lease_ttl_ms: int | None = None
     timeout_ms: int | None = None
+    # git-push: {repo, remote_url, commit, ref}, so the daemon can probe the remote when
+    # the outcome is lost (towerctl effect run derives it from ``git push ...``).
+    git: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.attempt_id is None:
@@ -114,6 +118,7 @@ class EffectSpec:
             payload=self.payload,
             timeout_ms=self.timeout_ms,
             lease_ttl_ms=self.lease_ttl_ms,
+            git=self.git,
         )
 
 

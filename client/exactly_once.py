@@ -397,13 +397,16 @@ def _claim_run(
             payload=command_payload(argv),
             holder_pid=os.getpid(),
             attempt=secrets.token_hex(16),  # a repeated claim after a lost answer is ours
+            probe=getattr(args, "probe", None),
+            probe_cwd=os.getcwd() if getattr(args, "probe", None) else None,
         )
     except OutcomeUnknown as exc:
         return error_out(
             args,
             exc,
             EXIT_UNKNOWN,
-            "CMD was not run. Check whether it ran, then settle the key: "
+            "CMD was not run. If the key has a probe, towerctl effects settle runs it now; "
+            "else check whether it ran, then settle the key: "
             f"towerctl idem resolve {_q(operation)} {_q(key)} --outcome completed "
             "--result '{\"exit_status\": 0}' (it ran) or --outcome abandoned "
             "(it did not: the next run runs it)",
@@ -490,10 +493,132 @@ def shell_run(args: argparse.Namespace) -> int:
 
 # --- towerctl effect run --------------------------------------------------------------------
 
+GIT_TARGET_OPTIONS = ("--repo", "--remote", "--commit", "--ref")
+# Options of git push that take a separate value (the rest are flags or --opt=value).
+_PUSH_OPTIONS_WITH_VALUE = frozenset({"-o", "--push-option", "--repo", "--receive-pack",
+                                      "--exec", "--signed"})  # fmt: skip
+
+
+class NotProbeable(Exception):
+    """What a git-push effect's probe target could not be derived from."""
+
+
+def _git(cwd: str, *argv: str) -> str | None:
+    """``git -C cwd ARGV`` 's first line of output, None if it failed."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", cwd, *argv], capture_output=True, text=True, timeout=30,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = done.stdout.strip().splitlines()
+    return out[0] if done.returncode == 0 and out else None
+
+
+def parse_git_push(argv: list[str]) -> tuple[str, str | None, str | None, str | None] | None:
+    """(directory, REMOTE, SRC, DST) of ``git [-C DIR] push [OPTIONS] [REMOTE] [[+]SRC:]DST``,
+    None when argv is not that form. SRC is None for a bare DST (pushes the same name)."""
+    if not argv or os.path.basename(argv[0]) != "git":
+        return None
+    directory, i = ".", 1
+    while i < len(argv) and argv[i] != "push":
+        if argv[i] == "-C" and i + 1 < len(argv):
+            directory = os.path.join(directory, argv[i + 1])
+            i += 2
+        elif argv[i] == "-c" and i + 1 < len(argv):
+            i += 2
+        elif argv[i].startswith("-"):
+            i += 1
+        else:
+            return None  # another subcommand
+    if i >= len(argv):
+        return None
+    positional: list[str] = []
+    rest = iter(argv[i + 1 :])
+    for word in rest:
+        if word == "--":
+            positional += list(rest)
+            break
+        if word in _PUSH_OPTIONS_WITH_VALUE:
+            next(rest, None)
+        elif not word.startswith("-"):
+            positional.append(word)
+    if len(positional) > 2:
+        raise NotProbeable("it pushes more than one refspec")
+    remote = positional[0] if positional else None
+    if len(positional) < 2:
+        return directory, remote, None, None
+    spec = positional[1].removeprefix("+")
+    src, _, dst = spec.rpartition(":")
+    if spec.startswith(":"):
+        raise NotProbeable("it deletes a ref")
+    return directory, remote, (src or None) if ":" in spec else None, dst
+
+
+def _default_remote(repo: str) -> str:
+    """The remote ``git push`` with none named pushes to (git-push(1))."""
+    branch = _git(repo, "symbolic-ref", "-q", "--short", "HEAD")
+    for key in (f"branch.{branch}.pushRemote" if branch else None, "remote.pushDefault",
+                f"branch.{branch}.remote" if branch else None):  # fmt: skip
+        value = key and _git(repo, "config", "--get", key)
+        if value:
+            return value
+    return "origin"
+
+
+def git_push_target(args: argparse.Namespace, argv: list[str]) -> dict[str, str]:
+    """The git-push effect's probe target: from ``--repo/--remote/--commit/--ref`` where
+    given, else derived from CMD when it is ``git push [REMOTE] [SRC:]DST``."""
+    parsed = parse_git_push(argv)
+    given = {option: getattr(args, option[2:]) for option in GIT_TARGET_OPTIONS}
+    directory, remote, src, dst = parsed or (".", None, None, None)
+    start = os.path.abspath(given["--repo"] or directory)
+    repo = _git(start, "rev-parse", "--show-toplevel") or _git(
+        start, "rev-parse", "--absolute-git-dir"
+    )
+    if repo is None:
+        raise NotProbeable(f"{start} is not in a git repository")
+    remote = given["--remote"] or remote or _default_remote(repo)
+    if remote.startswith("-"):
+        raise NotProbeable(f"the remote {remote!r} is not a remote")
+    url = _git(repo, "remote", "get-url", "--push", remote)
+    if url is None:
+        url = remote  # not a configured remote: a URL or a path
+    if "://" not in url and not _scp_like(url) and os.path.exists(os.path.join(repo, url)):
+        url = os.path.abspath(os.path.join(repo, url))  # a path, relative to the repository
+    ref = given["--ref"] or dst
+    if ref is None:
+        raise NotProbeable("the destination ref is not in CMD (give --ref)")
+    revision = given["--commit"] or src or (dst if src is None and parsed and dst else "HEAD")
+    commit = _git(repo, "rev-parse", "--verify", "--end-of-options", f"{revision}^{{commit}}")
+    if commit is None:
+        raise NotProbeable(f"{revision!r} is not a commit in {repo}")
+    if not ref.startswith("refs/"):
+        tag = _git(repo, "rev-parse", "--symbolic-full-name", "--end-of-options", revision)
+        ref = f"refs/tags/{ref}" if tag and tag.startswith("refs/tags/") else f"refs/heads/{ref}"
+    return {"repo": repo, "remote_url": url, "commit": commit, "ref": ref}
+
+
+def _is_push(argv: list[str]) -> bool:
+    """CMD is ``git ... push ...`` (whether or not its target can be derived)."""
+    try:
+        return parse_git_push(argv) is not None
+    except NotProbeable:
+        return True
+
+
+def _scp_like(url: str) -> bool:
+    """``host:path`` (git's scp-like syntax), not a local path with a colon after a slash."""
+    head = url.split(":", 1)[0]
+    return ":" in url and "/" not in head
+
 
 def _resolve_hint(key: str) -> str:
     return (
-        "check whether it happened, then: towerctl effects resolve "
+        f"a git-push that recorded its target is probed by the daemon (towerctl effects "
+        f"settle {key} probes it now); otherwise check whether it happened, then: "
+        "towerctl effects resolve "
         f"{key} --outcome committed --receipt JSON (it did) or --outcome aborted (it did not)"
     )
 
@@ -524,9 +649,21 @@ def effect_run(args: argparse.Namespace) -> int:
     if not args.heartbeat > 0:
         raise UsageError("effect run: --heartbeat must be a positive number of seconds")
     payload = _json_arg(args.payload, "--payload")
+    git = None
+    if args.kind == "git-push":
+        try:
+            git = git_push_target(args, argv)
+        except NotProbeable as exc:
+            # Said where it was meant to be probeable (CMD is a git push, or a target flag
+            # was given); else the record says it (effects list: not probeable).
+            if _is_push(argv) or any(getattr(args, option[2:]) for option in GIT_TARGET_OPTIONS):
+                note(args, f"this git-push cannot be probed if its outcome is lost ({exc}); "
+                     "give --repo, --remote, --commit and --ref to make it probeable")  # fmt: skip
+    elif any(getattr(args, option[2:]) for option in GIT_TARGET_OPTIONS):
+        raise UsageError("effect run: --repo, --remote, --commit and --ref are for --kind git-push")
     spec = EffectSpec(
         args.run_id, args.step, args.kind, args.target, payload, args.attempt,
-        heartbeat_interval=args.heartbeat, lease_ttl_ms=args.lease_ttl,
+        heartbeat_interval=args.heartbeat, lease_ttl_ms=args.lease_ttl, git=git,
     )  # fmt: skip
     conn = RetryingConnection(args)
     steps = effect_steps(spec)

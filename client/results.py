@@ -24,6 +24,7 @@ __all__ = [
     "EffectClaimResult",
     "EffectListResult",
     "EffectRecord",
+    "EffectSettleResult",
     "EventKindSeen",
     "EventLastSeenResult",
     "EventListResult",
@@ -31,6 +32,7 @@ __all__ = [
     "FleetAdoptResult",
     "FleetListResult",
     "FleetWriteResult",
+    "GitPushTarget",
     "HelloResult",
     "HookEventResult",
     "IdemClaimResult",
@@ -57,6 +59,8 @@ __all__ = [
     "PathLease",
     "PathReleaseResult",
     "PingResult",
+    "ProbeOutcome",
+    "ProbeState",
     "ReconcileReport",
     "RestorePlanEntry",
     "RestorePlanResult",
@@ -212,6 +216,12 @@ class EffectRecord(TypedDict):
     lease_resource: str | None
     fencing_token: int | None
     holder_pid: int | None
+    git: GitPushTarget | None
+    probe: ProbeState | None
+
+
+class EffectSettleResult(TypedDict):
+    outcomes: list[ProbeOutcome]
 
 
 class EventKindSeen(TypedDict):
@@ -256,6 +266,15 @@ class FleetWriteResult(TypedDict):
     removed: int
     dropped: list[str]
     relinked: int
+
+
+class GitPushTarget(TypedDict):
+    """What a git-push effect pushes where, as claimed: enough for a probe to ask the"""
+
+    repo: str
+    remote_url: str
+    commit: str
+    ref: str
 
 
 class HelloResult(TypedDict):
@@ -445,6 +464,32 @@ class PathReleaseResult(TypedDict):
 class PingResult(TypedDict):
     pong: bool
     now: int
+
+
+class ProbeOutcome(TypedDict):
+    """One probe's verdict: on an effect (``effect_key``) or on a key (``operation``,"""
+
+    verdict: Literal[
+        "aborted", "committed", "holder_alive", "not_probeable", "not_unsettled", "unknown"
+    ]
+    status: str
+    evidence: Any
+    effect_key: str | None
+    principal: str | None
+    operation: str | None
+    key: str | None
+
+
+class ProbeState(TypedDict):
+    """The last evidence probe of an effect (or key): its verdict, when, how many have"""
+
+    verdict: Literal[
+        "aborted", "committed", "holder_alive", "not_probeable", "not_unsettled", "unknown"
+    ]
+    attempts: int
+    at: int
+    next_at: int | None
+    evidence: Any
 
 
 class ReconcileReport(TypedDict):

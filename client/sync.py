@@ -285,6 +285,7 @@ class Client(TowerdAPI):
         heartbeat_interval: float | None = 30.0,
         lease_ttl_ms: int | None = None,
         timeout_ms: int | None = None,
+        git: Mapping[str, str] | None = None,
     ) -> EffectContext:
         """``with client.effect(...) as fx:`` claim an external effect, heartbeat it in
         the background (on a connection of its own), commit ``fx.receipt`` at exit.
@@ -296,7 +297,7 @@ class Client(TowerdAPI):
 
         return EffectContext(self, EffectSpec(
             run_id, step_id, action_kind, target_ref, payload, attempt_id, heartbeat_interval,
-            lease_ttl_ms, timeout_ms,
+            lease_ttl_ms, timeout_ms, None if git is None else dict(git),
         ))  # fmt: skip
 
     # --- watch ---------------------------------------------------------------------------------

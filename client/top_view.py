@@ -78,6 +78,20 @@ def uncertain_effects(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in found if e and e.get("status") == UNCERTAIN]
 
 
+PERSON = "a person decides"
+
+
+def probe_verdict(effect: dict[str, Any]) -> str:
+    """The PROBE cell of an uncertain effect: the evidence probe's last verdict, or that
+    nothing can probe it and a person decides."""
+    if not effect.get("git"):
+        return PERSON
+    probe = effect.get("probe")
+    if probe is None:
+        return "probe due"
+    return f"{probe['verdict']}, {plural(probe['attempts'], 'try', 'tries')}"
+
+
 def live_leases(snapshot: dict[str, Any], now_ms: int) -> list[dict[str, Any]]:
     """Leases lapse by the clock, without a change to push: drop the ones past due."""
     return [le for le in snapshot.get("leases", {}).get("leases", []) if le["expires_at"] > now_ms]
@@ -338,13 +352,20 @@ def _panels(view: View) -> dict[str, tuple[RenderableType, int]]:
     effects = uncertain_effects(snap)
     if effects:
         table = _table(("", {"width": 1}), ("EFFECT", {}), ("KIND", {}), ("TARGET", {}),
-                       ("RUN / STEP", {"ratio": 1}), ("SINCE", {"justify": "right"}))  # fmt: skip
+                       ("RUN / STEP", {"ratio": 1}), ("PROBE", {}),
+                       ("SINCE", {"justify": "right"}))  # fmt: skip
+        waiting = 0
         for eff in effects:
             mark, style = _marker(view, ("effect", eff["effect_key"]))
+            verdict = probe_verdict(eff)
+            waiting += verdict == PERSON
             table.add_row(mark, eff["effect_key"], eff["action_kind"], eff["target_ref"],
-                          f"{eff['run_id']} / {eff['step_id']}", ago(eff.get("heartbeat_at"), now),
-                          style=style)  # fmt: skip
-        title = f"[bold magenta]uncertain effects: {len(effects)}[/] (check the target, then r)"
+                          f"{eff['run_id']} / {eff['step_id']}", verdict,
+                          ago(eff.get("heartbeat_at"), now), style=style)  # fmt: skip
+        title = (
+            f"[bold magenta]uncertain effects: {len(effects)}[/] "
+            f"({waiting} waiting for a person: check the target, then r; the rest are probed)"
+        )
         panels["effects"] = (_panel(table, title, "magenta"), PANEL_CHROME + len(effects))
 
     leases = live_leases(snap, now)

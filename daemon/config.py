@@ -85,6 +85,15 @@ class DaemonConfig:
         1.0, "--holder-check-interval", "how often dead claimants are looked for (default 1)",
         "SECONDS", type=float,
     )  # fmt: skip
+    probe_interval: float = option(
+        60.0, "--probe-interval", "how often uncertain effects and unknown keys with a probe "
+        "are probed again (their backoff grows from this; default 60)", "SECONDS", type=float,
+    )  # fmt: skip
+    probe_timeout: float = option(
+        30.0, "--probe-timeout", "an evidence probe (git ls-remote, a --probe command) still "
+        "running after this is killed and counts as cannot tell (default 30)", "SECONDS",
+        type=float,
+    )  # fmt: skip
     shutdown_grace: float = option(
         10.0, "--shutdown-grace", "how long a stop waits for requests in flight (default 10)",
         "SECONDS", type=float,

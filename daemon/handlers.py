@@ -50,10 +50,11 @@ from towerd.daemon.store.status import status_counts
 from towerd.daemon.store.tx import Caller, Tx, current_clock, now_ms
 from towerd.protocol import PROTOCOL_VERSION, SERVER_NAME, VERSION
 from towerd.protocol import methods as m
-from towerd.protocol.errors import BadArgs, Conflict
+from towerd.protocol.errors import BadArgs, Conflict, Unavailable
 
 if TYPE_CHECKING:
     from towerd.daemon.maintenance import Upkeep
+    from towerd.daemon.probes import Prober
 
 __all__ = ["ROUTES", "Caller", "DaemonInfo", "Handlers", "Route"]
 
@@ -166,6 +167,7 @@ class Handlers:
         self.cache = ReadCache()  # fed by the store's change notes (see daemon/main.py)
         self.clock_steps = StepDetector(current_clock())  # the guard task checks it
         self.upkeep: Upkeep | None = None  # the background tasks' health, for status
+        self.prober: Prober | None = None  # the evidence probes (daemon/probes.py)
         self._request_shutdown = request_shutdown
         explicit: dict[str, Handler] = {
             "hello": self.hello,
@@ -180,6 +182,7 @@ class Handlers:
             "idem.get": self.idem_get,
             "backup": self.backup,
             "doctor": self.doctor,
+            "effect.settle": self.effect_settle,
         }
         assert explicit.keys().isdisjoint(ROUTES), "a method with both a route and a handler"
         self.table: dict[str, Handler] = {
@@ -308,6 +311,15 @@ class Handlers:
         return await self.store.on_own_connection(
             upkeep.backup, Path(params.path), params.overwrite
         )
+
+    async def effect_settle(
+        self, caller: Caller, params: m.EffectSettleParams
+    ) -> m.EffectSettleResult:
+        """Run the evidence probes now (daemon/probes.py): network and commands, so not a
+        store route; the verdicts are written through the store."""
+        if self.prober is None:
+            raise Unavailable("the evidence probes are not running yet; retry shortly")
+        return m.EffectSettleResult(outcomes=await self.prober.settle(params))
 
     async def doctor(self, caller: Caller, params: m.DoctorParams) -> m.DoctorResult:
         return await self.store.on_own_connection(upkeep.health, params.full)

@@ -38,6 +38,7 @@ from towerd.daemon.maintenance import (
     guard_periodically,
 )
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
+from towerd.daemon.probes import Prober
 from towerd.daemon.server import Server
 from towerd.daemon.store import open_store
 from towerd.daemon.store.tx import now_ms
@@ -146,6 +147,8 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
     upkeep = Upkeep()
     handlers.upkeep = upkeep
     sweep = LivenessSweep(store, config.holder_check_interval, upkeep)
+    prober = Prober(store, config.probe_interval, upkeep, config.probe_timeout)
+    handlers.prober = prober
     server = Server(
         handlers,
         limits=config.limits(),
@@ -163,6 +166,7 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
     async with anyio.create_task_group() as tasks:
         await tasks.start(server.serve, listening)
         tasks.start_soon(sweep.run)
+        tasks.start_soon(prober.run)  # its first pass runs beside READY, never before it
         tasks.start_soon(expire_periodically, store, config.expiry_interval, upkeep)
         tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval, upkeep)
         tasks.start_soon(guard_periodically, store, handlers.clock_steps, upkeep)

@@ -52,5 +52,18 @@ HOOK_DECISIONS = ("allow", "deny", "warn")  # what ``hook.event`` answers a guar
 PATH_LEASE_PREFIX = "path:"  # a path lease's resource is this and the real path
 EFFECT_STATUSES = ("in_flight", "committed", "failed", "aborted", "uncertain")
 
+# What an evidence probe concluded (``effect.settle``, an effect's ``probe.verdict``):
+# committed (it happened), aborted (positive evidence it did not), unknown (cannot tell:
+# tried again later), not_probeable (nothing recorded to probe with), holder_alive (its
+# holder still runs: never probed), not_unsettled (not in flight or uncertain).
+PROBE_VERDICTS = (
+    "committed",
+    "aborted",
+    "unknown",
+    "not_probeable",
+    "holder_alive",
+    "not_unsettled",
+)
+
 MAX_EVENT_KIND = 64  # characters of an event kind (a hook's hook_event_name)
 MAX_AGENT_SESSION_ID = 256  # characters of an agent session id

@@ -97,6 +97,9 @@ METHODS: dict[str, MethodSpec] = {
     ),
     "effect.get": MethodSpec(EffectKeyParams, EffectRecord, False, "one effect's receipt"),
     "effect.list": MethodSpec(EffectListParams, EffectListResult, False, "a run's effects"),
+    "effect.settle": MethodSpec(
+        EffectSettleParams, EffectSettleResult, True, "run the evidence probes of unsettled effects"
+    ),
     "worker.register": MethodSpec(
         WorkerRegisterParams, WorkerRegisterResult, True, "this process becomes a worker"
     ),

@@ -17,10 +17,6 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks 
 if TYPE_CHECKING:
     from typing import Any
 
-TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
-if TYPE_CHECKING:
-    from typing import Any
-
     from towerd.client.cli.registry import Arg
     from towerd.client.sync import Client
 
@@ -29,6 +25,7 @@ COMMANDS = Commands()
 # run, effect run and lock worktree: CMD's output is theirs, and so is the exit status.
 RUNS_CMD: dict[str, Any] = {"offline": True, "raw": True, "epilog": EXIT_EPILOG}
 LOCK_TTL_MS = 60_000  # lock worktree's lease, renewed every third of it
+SETTLE_TIMEOUT = 300.0  # effects settle's answer waits for its probes (--timeout overrides)
 
 
 def command_after_dashes(what: str) -> Arg:
@@ -59,6 +56,15 @@ def command_after_dashes(what: str) -> Arg:
             help="if an earlier run of this key completed with a non-zero exit status, run "
             "CMD again (the failed outcome is forgotten, and that is written to the operator "
             "log); a run that succeeded is still never run again",
+        ),
+        arg(
+            "--probe",
+            default=None,
+            metavar="CMD",
+            help="a shell command that tells whether CMD happened, stored with the key: if "
+            "the outcome is lost (towerctl killed), the daemon runs it (sh -c, in this "
+            "directory): exit 0 = it happened (the key completes), 1 = it did not (the key "
+            "is released: the next run runs CMD), else cannot tell (tried again later)",
         ),
         command_after_dashes("to run once"),
     ],
@@ -108,6 +114,31 @@ def _effect_run_options() -> list[Arg]:
             default=None,
             metavar="MS",
             help="the target lease's TTL, 5000-600000 (default: the daemon's, 300000)",
+        ),
+        arg(
+            "--repo",
+            default=None,
+            metavar="PATH",
+            help="git-push: the local repository (default: derived from CMD, else .)",
+        ),
+        arg(
+            "--remote",
+            default=None,
+            metavar="REMOTE",
+            help="git-push: the remote's name or URL (default: from CMD, else git's default)",
+        ),
+        arg(
+            "--commit",
+            default=None,
+            metavar="REV",
+            help="git-push: what is pushed (default: SRC of CMD's refspec, else HEAD)",
+        ),
+        arg(
+            "--ref",
+            default=None,
+            metavar="REF",
+            help="git-push: the destination ref (default: DST of CMD's refspec); the four "
+            "let the daemon probe the remote if the outcome is lost",
         ),
         command_after_dashes("that does the effect"),
     ]
@@ -165,11 +196,27 @@ def cmd_lock_worktree(_client: None, args: argparse.Namespace) -> int:
 COMMANDS.group("effects", "the effects ledger")
 
 
+def probe_column(effect: dict[str, Any]) -> str:
+    """What an effect's probe says: its last verdict, whether one can run, or that a
+    person must decide."""
+    probe = effect.get("probe")
+    unsettled = effect.get("status") in ("in_flight", "uncertain")
+    if not effect.get("git"):
+        if effect.get("action_kind") == "git-push":
+            return "not probeable: a person decides" if unsettled else "-"
+        return "a person decides" if effect.get("status") == "uncertain" else "-"
+    if probe is None:
+        return "probeable" if unsettled else "-"
+    text = f"{probe['verdict']} ({probe['attempts']}x)"
+    return text + (", retried" if probe.get("next_at") and unsettled else "")
+
+
 def render_effects(result: dict[str, Any]) -> str:
     rows = [
-        {**effect, "updated_at": effect.get("completed_at") or effect.get("heartbeat_at")}
+        {**effect, "updated_at": effect.get("completed_at") or effect.get("heartbeat_at"),
+         "probe_shown": probe_column(effect)}
         for effect in result["effects"]
-    ]
+    ]  # fmt: skip
     return table(
         rows,
         [
@@ -179,6 +226,7 @@ def render_effects(result: dict[str, Any]) -> str:
             ("status", "STATUS"),
             ("attempt_id", "ATTEMPT"),
             ("updated_at", "UPDATED"),
+            ("probe_shown", "PROBE"),
         ],
     )
 
@@ -220,6 +268,48 @@ def cmd_effects_resolve(client: Client, args: argparse.Namespace) -> Any:
             "or --outcome aborted (it did not)"
         )
     return client.effect_resolve(args.effect_key, args.outcome, json_arg(args.receipt, "--receipt"))
+
+
+def _seen(outcome: dict[str, Any]) -> str:
+    evidence = outcome.get("evidence")
+    if not isinstance(evidence, dict):
+        return "-"
+    return str(evidence.get("seen") or evidence.get("error") or evidence.get("exit_status", "-"))
+
+
+def render_settled(result: dict[str, Any]) -> str:
+    rows = [
+        {**outcome,
+         "what": outcome.get("effect_key") or f"{outcome.get('operation')} {outcome.get('key')}",
+         "seen": _seen(outcome)}
+        for outcome in result["outcomes"]
+    ]  # fmt: skip
+    if not rows:
+        return "nothing unsettled to probe"
+    return table(
+        rows,
+        [("what", "EFFECT / KEY"), ("verdict", "VERDICT"), ("status", "NOW"), ("seen", "EVIDENCE")],
+    )
+
+
+@COMMANDS.command(
+    "effects",
+    "settle",
+    help="run the evidence probes now: of these effects, or (none given) of every unsettled "
+    "effect and every outcome_unknown key that has a probe; each verdict is recorded in the "
+    "ledger and the operator log (waits up to --timeout, default 300 s, for the probes)",
+    render=render_settled,
+    options=[
+        arg("effect_keys", nargs="*", default=[], metavar="KEY", help="eff_... (optional)"),
+        arg("--run-id", default=None, metavar="RUN_ID", help="the unsettled effects of this run"),
+    ],
+)
+def cmd_effects_settle(client: Client, args: argparse.Namespace) -> Any:
+    if args.effect_keys and args.run_id:
+        raise UsageError("effects settle: give effect KEYs or --run-id, not both")
+    if args.timeout is None:
+        client.timeout = SETTLE_TIMEOUT  # probes ask remotes: give them their own timeout
+    return client.effect_settle(*args.effect_keys, run_id=args.run_id)
 
 
 def render_leases(result: dict[str, Any]) -> str:

@@ -59,7 +59,11 @@ from towerd.protocol.methods import (
     EffectListResult,
     EffectRecord,
     EffectResolveParams,
+    EffectSettleParams,
+    GitPushTarget,
     LeaseAcquireParams,
+    ProbeOutcome,
+    ProbeState,
 )
 
 LOCAL_KINDS = frozenset(naming.LOCAL_KINDS)  # this run's own namespace: safe to redo
@@ -67,7 +71,8 @@ LOCAL_KINDS = frozenset(naming.LOCAL_KINDS)  # this run's own namespace: safe to
 _COLUMNS = (
     "effect_key, run_id, step_id, attempt_id, action_kind, target_ref, status, payload_hash, "
     "receipt, claimed_at, heartbeat_at, completed_at, timeout_ms, lease_resource, "
-    "fencing_token, holder_pid, principal, holder_start"
+    "fencing_token, holder_pid, principal, holder_start, git_target, probe_attempts, probe_at, "
+    "probe_next_at, probe_verdict, probe_evidence"
 )
 
 
@@ -84,7 +89,8 @@ def _load(tx: Tx, key: str) -> _Effect | None:
     if row is None:
         return None
     (key, run, step, attempt, kind, target, status, digest, receipt, claimed, beat, completed,
-     timeout, resource, token, pid, principal, start) = row  # fmt: skip
+     timeout, resource, token, pid, principal, start, git, attempts, probed_at, next_at,
+     verdict, evidence) = row  # fmt: skip
     record = EffectRecord(
         effect_key=key,
         run_id=run,
@@ -102,6 +108,10 @@ def _load(tx: Tx, key: str) -> _Effect | None:
         lease_resource=resource,
         fencing_token=token,
         holder_pid=pid,
+        git=None if git is None else msgspec.convert(unpack(git), GitPushTarget),
+        probe=None
+        if verdict is None
+        else ProbeState(verdict, attempts, probed_at, next_at, unpack(evidence)),
     )
     holder = None if pid is None or start is None else Holder(pid, start)
     return _Effect(record, principal, holder, digest)
@@ -230,6 +240,13 @@ def claim(tx: Tx, caller: Caller, params: EffectClaimParams) -> EffectClaimResul
         "holder_pid": holder.pid if holder else None,
         "principal": principal,
         "holder_start": holder.start if holder else None,
+        # What a probe asks, as this attempt claimed it; no probe of an earlier attempt.
+        "git_target": None if params.git is None else pack(asdict(params.git)),
+        "probe_attempts": 0,
+        "probe_at": None,
+        "probe_next_at": None,
+        "probe_verdict": None,
+        "probe_evidence": None,
     }
     if existing is not None:
         _set(tx, key, **attempt)  # a new attempt: the row keeps its place in the run
@@ -448,3 +465,131 @@ def prune_settled(tx: Tx, cutoff: int, limit: int) -> int:
                LIMIT ?)""",
         (cutoff, limit),
     ).rowcount
+
+
+# --- evidence probes ------------------------------------------------------------------------
+#
+# The daemon's probes (daemon/probes.py) read what to probe here, run git outside any
+# transaction, and write the verdict back through ``record_probe``, which checks again
+# that the effect is still the one probed and still unsettled.
+
+PROBE_BACKOFF_CAP_MS = 3_600_000  # an unreachable remote is asked at least hourly
+PROBE_PRINCIPAL = "towerd:probe"  # who settled it, in the operator log
+
+
+@dataclass(frozen=True, slots=True)
+class ToProbe:
+    """An unsettled effect: ``git`` to probe it with, or the verdict it gets without a
+    probe (``not_probeable``, ``holder_alive``, ``not_unsettled``)."""
+
+    effect_key: str
+    attempt_id: str
+    status: str
+    git: GitPushTarget | None
+    verdict: str | None  # None: probe it
+
+
+def _probeable(effect: _Effect) -> str | None:
+    """None if ``effect`` may be probed now, else the verdict it gets without one."""
+    record = effect.record
+    alive = effect.holder is not None and is_alive(effect.holder)
+    if record.status == "in_flight":
+        if effect.holder is None or alive:
+            return "holder_alive" if alive else "not_unsettled"  # a silent one parks first
+    elif record.status != "uncertain":
+        return "not_unsettled"
+    elif alive:
+        return "holder_alive"  # parked (lease lost, silent) while its process still runs
+    if record.git is None:
+        return "not_probeable"
+    return None
+
+
+def to_probe(tx: Tx, caller: Caller, params: EffectSettleParams, due_only: bool) -> list[ToProbe]:
+    """The effects ``params`` names (its keys, or a run's unsettled effects; all
+    unsettled ones when it names none), each with
+    its git target or the verdict it gets without a probe. ``due_only``: only uncertain
+    git-push effects with a target whose next probe is due (the periodic pass)."""
+    if params.effect_keys:
+        keys = list(dict.fromkeys(params.effect_keys))
+    elif params.run_id is not None:
+        keys = [
+            key
+            for (key,) in tx.conn.execute(
+                """SELECT effect_key FROM effects WHERE run_id = ?
+                   AND status IN ('uncertain', 'in_flight') ORDER BY rowid""",
+                (params.run_id,),
+            )
+        ]
+    elif due_only:
+        keys = [
+            key
+            for (key,) in tx.conn.execute(
+                """SELECT effect_key FROM effects WHERE status IN ('uncertain', 'in_flight')
+                   AND git_target IS NOT NULL
+                   AND (probe_next_at IS NULL OR probe_next_at <= ?) ORDER BY rowid""",
+                (tx.now,),
+            )
+        ]
+    else:
+        keys = [
+            key
+            for (key,) in tx.conn.execute(
+                """SELECT effect_key FROM effects WHERE status IN ('uncertain', 'in_flight')
+                   ORDER BY rowid"""
+            )
+        ]
+    found = []
+    for key in keys:
+        effect = _require(tx, key)
+        record = effect.record
+        verdict = _probeable(effect)
+        if due_only and verdict is not None:
+            continue
+        found.append(ToProbe(key, record.attempt_id, record.status, record.git, verdict))
+    return found
+
+
+def probe_delay_ms(attempts: int, base_ms: int) -> int:
+    """How long after its ``attempts``-th inconclusive probe an effect is probed again."""
+    return min(base_ms * 2 ** min(attempts - 1, 20), max(base_ms, PROBE_BACKOFF_CAP_MS))
+
+
+def record_probe(
+    tx: Tx, probed: ToProbe, verdict: str, evidence: Any, base_ms: int
+) -> ProbeOutcome:
+    """Write a probe's verdict, if the effect is still the one probed and unsettled (a
+    person's resolve, a new attempt or a live holder that came back wins): committed and
+    aborted settle it (receipt and operator log say the probe did it, with the
+    evidence); unknown counts the attempt and schedules the next one with backoff."""
+    key = probed.effect_key
+    effect = _load(tx, key)
+    if effect is None:
+        return ProbeOutcome("not_unsettled", "gone", effect_key=key)
+    record = effect.record
+    refusal = _probeable(effect)
+    if record.attempt_id != probed.attempt_id:
+        refusal = "not_unsettled"
+    if refusal is not None:
+        return ProbeOutcome(refusal, record.status, record.probe and record.probe.evidence,
+                            effect_key=key)  # fmt: skip
+    attempts = (record.probe.attempts if record.probe else 0) + 1
+    next_at = None if verdict != "unknown" else tx.now + probe_delay_ms(attempts, base_ms)
+    _set(tx, key, probe_attempts=attempts, probe_at=tx.now, probe_next_at=next_at,
+         probe_verdict=verdict, probe_evidence=pack(evidence))  # fmt: skip
+    if verdict == "unknown":
+        return ProbeOutcome(verdict, record.status, evidence, effect_key=key)
+    effect = _require(tx, key)
+    if verdict == "committed":
+        receipt = {"settled_by": "evidence probe", "evidence": evidence}
+    else:
+        receipt = {"reason": "evidence probe: it did not happen", "evidence": evidence}
+    settled = _finish(tx, effect, verdict, receipt)
+    log_operator_action(
+        tx,
+        PROBE_PRINCIPAL,
+        "effect.probe",
+        {"effect_key": key, "attempt_id": record.attempt_id, "outcome": verdict,
+         "was": record.status, "evidence": evidence},
+    )  # fmt: skip
+    return ProbeOutcome(verdict, settled.status, evidence, effect_key=key)

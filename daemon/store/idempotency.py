@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from towerd.daemon.processes import Holder
+from towerd.daemon.processes import Holder, is_alive
 from towerd.daemon.store import quota
 from towerd.daemon.store.tx import (
     Caller,
@@ -51,6 +51,7 @@ from towerd.protocol.methods import (
     IdemResolveParams,
     IdemResolveResult,
     KeyCounts,
+    ProbeOutcome,
 )
 
 IN_PROGRESS = "in_progress"
@@ -212,6 +213,8 @@ def claim(tx: Tx, caller: Caller, params: IdemClaimParams) -> IdemClaimResult:
         None,
         holder,
         attempt=params.attempt,
+        probe=params.probe,
+        probe_cwd=params.probe_cwd,
     )
     return IdemClaimResult("claimed", effect_ref)
 
@@ -228,11 +231,14 @@ def insert(
     holder: Holder | None,
     *,
     attempt: str | None = None,
+    probe: str | None = None,
+    probe_cwd: str | None = None,
 ) -> None:
     tx.conn.execute(
         """INSERT INTO idempotency (principal, operation, key, payload_hash, state, effect_ref,
-               result, holder_pid, holder_start, attempt, daemon_id, created_at, updated_at)
-           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+               result, holder_pid, holder_start, attempt, daemon_id, created_at, updated_at,
+               probe, probe_cwd)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
         (
             principal,
             operation,
@@ -247,6 +253,8 @@ def insert(
             tx.daemon_id,
             tx.now,
             tx.now,
+            probe,
+            probe_cwd,
         ),
     )
     note(tx, "idem", IdemChanged(principal, operation, key, state, effect_ref))
@@ -505,3 +513,88 @@ def expire_completed(tx: Tx, ttl_ms: int) -> int:
     if expired:
         note(tx, "idem", IdemExpired(expired))
     return expired
+
+
+# --- evidence probes of keys (``towerctl run --probe CMD``) ----------------------------------
+
+PROBE_PRINCIPAL = "towerd:probe"  # who settled it, in the operator log
+
+
+@dataclass(frozen=True, slots=True)
+class KeyToProbe:
+    rowid: int
+    principal: str
+    operation: str
+    key: str
+    effect_ref: str
+    probe: str
+    cwd: str | None
+
+
+def keys_to_probe(tx: Tx, due_only: bool) -> list[KeyToProbe]:
+    """``outcome_unknown`` keys with a probe command whose holder is gone (a live holder
+    knows the outcome and may still complete it); ``due_only``: whose next probe is due."""
+    rows = tx.conn.execute(
+        """SELECT rowid, principal, operation, key, effect_ref, probe, probe_cwd, holder_pid,
+                  holder_start FROM idempotency
+           WHERE state = 'outcome_unknown' AND probe IS NOT NULL
+           AND (? = 0 OR probe_next_at IS NULL OR probe_next_at <= ?) ORDER BY rowid""",
+        (int(due_only), tx.now),
+    ).fetchall()
+    return [
+        KeyToProbe(rowid, principal, operation, key, ref, probe, cwd)
+        for rowid, principal, operation, key, ref, probe, cwd, pid, start in rows
+        if pid is None or start is None or not is_alive(Holder(pid, start))
+    ]
+
+
+def record_key_probe(
+    tx: Tx, probed: KeyToProbe, verdict: str, evidence: Any, base_ms: int
+) -> ProbeOutcome:
+    """A key probe's verdict, if the key is still the one probed and still unknown:
+    committed completes it (result ``{"settled_by", "probe", "evidence"}``, no exit
+    status: it replays 0), aborted releases it so the next run runs it, unknown counts
+    the attempt and schedules the next one with backoff. Settling goes to the operator
+    log with the evidence."""
+    ident = {"principal": probed.principal, "operation": probed.operation, "key": probed.key}
+    row = tx.conn.execute(
+        "SELECT state, effect_ref, holder_pid, holder_start, probe_attempts FROM idempotency "
+        "WHERE rowid = ? AND principal = ? AND operation = ? AND key = ?",
+        (probed.rowid, probed.principal, probed.operation, probed.key),
+    ).fetchone()
+    if row is None:
+        return ProbeOutcome("not_unsettled", "gone", **ident)
+    state, effect_ref, pid, start, attempts = row
+    if state != OUTCOME_UNKNOWN or effect_ref != probed.effect_ref:
+        return ProbeOutcome("not_unsettled", state, **ident)
+    if pid is not None and start is not None and is_alive(Holder(pid, start)):
+        return ProbeOutcome("holder_alive", state, **ident)
+    attempts += 1
+    next_at = None if verdict != "unknown" else tx.now + _key_probe_delay(attempts, base_ms)
+    tx.conn.execute(
+        "UPDATE idempotency SET probe_attempts = ?, probe_at = ?, probe_next_at = ?, "
+        "probe_verdict = ? WHERE rowid = ?",
+        (attempts, tx.now, next_at, verdict, probed.rowid),
+    )
+    if verdict == "unknown":
+        return ProbeOutcome(verdict, state, evidence, **ident)
+    loaded = _require(tx, probed.principal, probed.operation, probed.key)
+    if verdict == "committed":
+        result = {"settled_by": "evidence probe", "probe": probed.probe, "evidence": evidence}
+        _set_state(tx, probed.principal, loaded, COMPLETED, result)
+        now_state = COMPLETED
+    else:
+        _delete(tx, probed.principal, probed.operation, probed.key)
+        now_state = "gone"
+    log_operator_action(
+        tx,
+        PROBE_PRINCIPAL,
+        "idem.probe",
+        {**ident, "outcome": "completed" if verdict == "committed" else "abandoned",
+         "effect_ref": effect_ref, "probe": probed.probe, "evidence": evidence},
+    )  # fmt: skip
+    return ProbeOutcome(verdict, now_state, evidence, **ident)
+
+
+def _key_probe_delay(attempts: int, base_ms: int) -> int:
+    return min(base_ms * 2 ** min(attempts - 1, 20), max(base_ms, 3_600_000))

@@ -12,6 +12,8 @@ effect key (``eff_...``) completes once that effect is committed.
 
 from __future__ import annotations
 
+import os
+import re
 import sqlite3
 import uuid
 from collections.abc import Callable
@@ -58,6 +60,56 @@ def _message_evidence(tx: Tx, effect_ref: str) -> dict[str, Any] | None:
         "SELECT message_id, status FROM messages WHERE message_id = ?", (effect_ref,)
     ).fetchone()
     return None if row is None else {"message_id": row[0], "status": row[1]}
+
+
+_SESSION_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def agent_processes(exclude: frozenset[int] = frozenset()) -> dict[str, int]:
+    """Session ids carried by live processes of this uid: an argument that is the id (or
+    ends ``=<id>``), or ``TOWERD_SESSION_ID`` in the environment; id -> pid. A process
+    that cannot be read is skipped (it is no evidence either way)."""
+    found: dict[str, int] = {}
+    uid, own = os.getuid(), os.getpid()
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        if pid == own or pid in exclude:
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                words = handle.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                environment = handle.read().split(b"\0")
+        except OSError:
+            continue
+        for word in words:
+            text = word.decode("utf-8", "replace").rsplit("=", 1)[-1]
+            if _SESSION_ID.match(text):
+                found.setdefault(text, pid)
+        for entry in environment:
+            if entry.startswith(b"TOWERD_SESSION_ID="):
+                text = entry.split(b"=", 1)[1].decode("utf-8", "replace")
+                if _SESSION_ID.match(text):
+                    found.setdefault(text, pid)
+    return found
+
+
+class _AgentProcesses:
+    """``agent_processes`` read once, the first time a settle pass needs it."""
+
+    def __init__(self, exclude: frozenset[int]) -> None:
+        self.exclude = exclude
+        self._found: dict[str, int] | None = None
+
+    def pid_of(self, session_id: str) -> int | None:
+        if self._found is None:
+            self._found = agent_processes(self.exclude)
+        return self._found.get(session_id)
 
 
 EVIDENCE_PROBES: dict[str, EvidenceProbe] = {
@@ -147,14 +199,35 @@ def settle_from_evidence(tx: Tx) -> tuple[int, int]:
     return len(completed), len(unknown) - len(completed)
 
 
+def any_unknown(tx: Tx) -> bool:
+    """Whether this daemon has an outcome_unknown key that evidence could settle."""
+    return (
+        tx.conn.execute(
+            "SELECT 1 FROM idempotency WHERE state = 'outcome_unknown' AND daemon_id = ? LIMIT 1",
+            (tx.daemon_id,),
+        ).fetchone()
+        is not None
+    )
+
+
 def settle(tx: Tx, keys: list[tuple[int, str, str]]) -> set[int]:
     """Probe each (rowid, operation, effect_ref); complete those with evidence; their rowids."""
     completed = set()
+    processes: _AgentProcesses | None = None
     for rowid, operation, effect_ref in keys:
         probe = EVIDENCE_PROBES.get(operation)
         if probe is None and effect_ref.startswith("eff_"):
             probe = effects.committed_evidence  # the key fronted an external effect
         result = None if probe is None else probe(tx, effect_ref)
+        if result is None and operation == "session.spawn" and _SESSION_ID.match(effect_ref):
+            # No fleet row yet: a live agent process carrying the session's id is evidence
+            # the spawn happened (its claimant, if it lives, is not that evidence).
+            if processes is None:
+                processes = _AgentProcesses(_holder_pids(tx))
+            pid = processes.pid_of(effect_ref)
+            if pid is not None:
+                result = {"session_id": effect_ref, "agent_pid": pid,
+                          "evidence": "a live process carries the session id"}  # fmt: skip
         if result is None:
             continue
         principal, key = tx.conn.execute(
@@ -165,6 +238,16 @@ def settle(tx: Tx, keys: list[tuple[int, str, str]]) -> set[int]:
         note(tx, "idem", IdemChanged(principal, operation, key, COMPLETED, effect_ref))
         completed.add(rowid)
     return completed
+
+
+def _holder_pids(tx: Tx) -> frozenset[int]:
+    """Processes holding keys: a claimant's own command line may carry the id it claims."""
+    return frozenset(
+        pid
+        for (pid,) in tx.conn.execute(
+            "SELECT DISTINCT holder_pid FROM idempotency WHERE holder_pid IS NOT NULL"
+        )
+    )
 
 
 @dataclass(frozen=True)

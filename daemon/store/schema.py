@@ -28,7 +28,7 @@ from towerd.daemon.private_paths import StartRefused
 log = structlog.get_logger("towerd.store")
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 # The tables whose rows a principal can create without bound, each counted per principal
@@ -355,6 +355,29 @@ MIGRATIONS: tuple[Migration, ...] = (
             # The session a lease (a path lease) is held for.
             "ALTER TABLE leases ADD COLUMN session_id TEXT",
             "CREATE INDEX leases_by_session ON leases (session_id) WHERE session_id IS NOT NULL",
+        ),
+    ),
+    Migration(
+        8,
+        "evidence probes: what a git push claimed, a run's probe command, probe verdicts",
+        (
+            # A git-push effect's target as claimed (msgpack {repo, remote_url, commit,
+            # ref}; NULL: it cannot be probed), and the last probe of an unsettled effect.
+            "ALTER TABLE effects ADD COLUMN git_target BLOB",
+            "ALTER TABLE effects ADD COLUMN probe_attempts INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE effects ADD COLUMN probe_at INTEGER",
+            "ALTER TABLE effects ADD COLUMN probe_next_at INTEGER",
+            "ALTER TABLE effects ADD COLUMN probe_verdict TEXT",
+            "ALTER TABLE effects ADD COLUMN probe_evidence BLOB",
+            "CREATE INDEX effects_uncertain ON effects (status) WHERE status = 'uncertain'",
+            # A key's probe command (`towerctl run --probe CMD`), the directory it runs
+            # in, and its last verdict while the key is outcome_unknown.
+            "ALTER TABLE idempotency ADD COLUMN probe TEXT",
+            "ALTER TABLE idempotency ADD COLUMN probe_cwd TEXT",
+            "ALTER TABLE idempotency ADD COLUMN probe_attempts INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE idempotency ADD COLUMN probe_at INTEGER",
+            "ALTER TABLE idempotency ADD COLUMN probe_next_at INTEGER",
+            "ALTER TABLE idempotency ADD COLUMN probe_verdict TEXT",
         ),
     ),
 )

@@ -40,10 +40,20 @@ class IdemClaimParams(IdemKeyParams):
     # A token the caller makes up once per logical claim and repeats when it retries
     # a claim whose answer was lost: the retry is answered "claimed" again.
     attempt: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    # A shell command that tells whether the effect happened, run (``sh -c``, in
+    # ``probe_cwd``) by the daemon while the key is outcome_unknown: exit 0 = it did
+    # (the key completes), 1 = it did not (the key is released), else cannot tell.
+    # Stored with a new key; not part of its payload.
+    probe: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
+    probe_cwd: Annotated[str, Meta(min_length=1, max_length=4000, pattern="^/")] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _require_shallow("payload", self.payload)
+        if self.probe is not None and "\x00" in self.probe:
+            raise ValueError("probe must not contain NUL")
+        if self.probe_cwd is not None and self.probe is None:
+            raise ValueError("probe_cwd is given with a probe only")
 
 
 class IdemClaimResult(Struct, omit_defaults=True):

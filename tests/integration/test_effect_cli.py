@@ -380,7 +380,7 @@ def test_effect_run_holds_the_lease_while_cmd_runs_and_commits(daemon, short_tmp
     listed = towerctl(daemon, "effects", "list", "run_1")
     assert listed.returncode == 0
     assert listed.stdout.splitlines()[0].split() == [
-        "EFFECT_KEY", "KIND", "TARGET", "STATUS", "ATTEMPT", "UPDATED"
+        "EFFECT_KEY", "KIND", "TARGET", "STATUS", "ATTEMPT", "UPDATED", "PROBE"
     ]  # fmt: skip
     assert listed.stdout.splitlines()[1].split()[:5] == [
         key, "git-push", TARGET, "committed", record["attempt_id"]

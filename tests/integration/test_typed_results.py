@@ -98,6 +98,15 @@ def exercise_every_method(client: Any, short_tmp: Any, uncertain: str) -> None:
         other = client.effect_claim("run_t", step, "a-1", "webhook", f"https://x/{step}")
         end(other["effect_key"], "a-1", "typed test")
     client.doctor()  # while an effect waits for a decision: the report names it
+    pushed = client.effect_claim(
+        "run_t", "push", "a-1", "git-push", "refs/heads/typed", lease_ttl_ms=60_000,
+        git={"repo": "/nonexistent/repo", "remote_url": "/nonexistent/remote.git",
+             "commit": "0" * 40, "ref": "refs/heads/typed"},
+    )  # fmt: skip
+    settled = client.effect_settle(uncertain, pushed["effect_key"])["outcomes"]
+    assert [o["verdict"] for o in settled] == ["not_probeable", "holder_alive"]
+    client.effect_settle()
+    client.effect_commit(pushed["effect_key"], "a-1", {"sha": "0" * 40})
     client.effect_resolve(uncertain, "aborted")
     client.effect_get(effect["effect_key"])
     client.effect_list("run_t")

@@ -24,7 +24,10 @@ ANY_VALUE = {"nested": [1, "two", None, True, 2.5, {"k": b"\x00\x01"}]}
 
 
 # Fields a Struct refuses to have set together: the sample leaves these at their default.
-EXCLUSIVE: dict[type, dict[str, Any]] = {m.DispatchRecentParams: {"worker_id": None}}
+EXCLUSIVE: dict[type, dict[str, Any]] = {
+    m.DispatchRecentParams: {"worker_id": None},
+    m.EffectClaimParams: {"git": None},  # git-push only: the sample's kind is another
+}
 
 
 def build(info: mi.Type, salt: int = 0) -> Any:
@@ -45,6 +48,8 @@ def build(info: mi.Type, salt: int = 0) -> Any:
                 m.UUID_PATTERN: SAMPLE_UUID,
                 "^eff_[0-9a-f]{16}$": "eff_0123456789abcdef",
                 "^/": f"/s{salt}",  # an absolute path
+                m.GIT_OBJECT_PATTERN: f"{salt:040x}",
+                m.GIT_REF_PATTERN: f"refs/heads/s{salt}",
             }
             assert info.pattern in samples, info.pattern
             return samples[info.pattern]
@@ -147,6 +152,7 @@ def test_method_table_is_closed_and_consistent() -> None:
         "effect.abort",
         "effect.fail",
         "effect.resolve",
+        "effect.settle",
         "worker.register",
         "worker.heartbeat",
         "worker.stopping",

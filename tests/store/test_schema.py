@@ -424,3 +424,49 @@ async def test_a_version_1_database_climbs_the_whole_ladder(
         assert old.execute("PRAGMA user_version").fetchone() == (1,)
         assert old.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
         assert old.execute("SELECT count(*) FROM sessions").fetchone() == (4,)
+
+
+async def test_a_version_7_database_climbs_to_the_evidence_probe_columns(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 8: a version-7 file's effects and keys keep their rows and read back with no
+    probe target and no probe yet (nothing to probe until an attempt records one)."""
+    from store_helpers import caller
+    from towerd.daemon.store import effects, idempotency
+    from towerd.protocol.methods import EffectClaimParams, EffectKeyParams
+
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:7])
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", 7)
+    claim = EffectClaimParams("run_1", "push", "a-1", "git-push", "refs/heads/x")
+
+    def old_claim(tx, _caller, params):  # the version-7 code wrote no probe columns
+        row = {"effect_key": "eff_0123456789abcdef", "run_id": params.run_id,
+               "step_id": params.step_id, "attempt_id": params.attempt_id,
+               "action_kind": params.action_kind, "target_ref": params.target_ref,
+               "status": "uncertain", "payload_hash": b"h", "principal": "p",
+               "timeout_ms": 1000, "claimed_at": 1, "heartbeat_at": 1,
+               "daemon_id": tx.daemon_id}  # fmt: skip
+        tx.conn.execute(
+            f"INSERT INTO effects ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+            tuple(row.values()),
+        )
+
+    async with opened(short_tmp) as store:
+        await store.write(old_claim, caller(), claim)
+        await store.write(
+            lambda tx: tx.conn.execute(
+                "INSERT INTO idempotency (principal, operation, key, payload_hash, state, "
+                "effect_ref, daemon_id, created_at, updated_at) "
+                "VALUES ('p', 'shell', 'k', x'00', 'outcome_unknown', 'r', ?, 1, 1)",
+                (tx.daemon_id,),
+            )
+        )
+    monkeypatch.undo()
+    assert query(short_tmp, "PRAGMA user_version") == [(7,)]
+    async with opened(short_tmp) as store:
+        record = await store.read(effects.get, caller(), EffectKeyParams("eff_0123456789abcdef"))
+        assert (record.status, record.git, record.probe) == ("uncertain", None, None)
+        assert await store.read(idempotency.keys_to_probe, False) == []
+    assert query(short_tmp, "PRAGMA user_version") == [(schema.SCHEMA_VERSION,)]
+    assert query(short_tmp, "SELECT probe, probe_attempts FROM idempotency") == [(None, 0)]
+    assert query(short_tmp, "SELECT git_target, probe_attempts FROM effects") == [(None, 0)]

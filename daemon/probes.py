@@ -1,0 +1,292 @@
+"""Evidence probes: settle what the world can tell without a person.
+
+An ``uncertain`` git-push effect (or one still ``in_flight`` whose holder died) that
+recorded its target at claim time (repository, remote URL, commit, ref) is settled by
+asking the remote: ``git ls-remote`` shows the ref at the commit, or at a commit that
+has it as an ancestor (decided in the recorded repository, fetching the tip if it is
+not there) -> ``committed``; the ref absent, or at a commit that does not contain it
+-> ``aborted`` (a retry runs it afresh); the remote unreachable, or any error -> it
+stays uncertain, probed again later with backoff. An ``outcome_unknown`` key claimed
+with a probe command (``towerctl run --probe CMD``) is settled by running it: exit 0
+completes the key, exit 1 releases it (the next run runs the command), anything else
+leaves it unknown.
+
+"Did not happen" is only ever concluded from positive evidence of absence (a remote
+that answered without the ref, a probe that said 1), never from an error or a
+timeout. Nothing whose holder still runs is probed.
+
+The probes run at start-up (once the daemon is serving: the network never holds up
+READY), every ``--probe-interval`` seconds for what is due, and on ``effect.settle``
+(``towerctl effects settle``; a probe already running is waited for, never run twice
+at once). The external commands run in worker threads, each in
+a session of its own, killed with it at ``--probe-timeout``; git gets none of the
+daemon's ``GIT_*`` environment and no terminal to prompt on. Each verdict is written
+through one store function that checks again that the effect (or key) is still the
+one probed and unsettled, so a person's resolve or a new attempt in the meantime wins.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+
+from towerd.daemon.maintenance import Upkeep
+from towerd.daemon.store import Store, effects, idempotency, reconcile
+from towerd.daemon.store.tx import DAEMON
+from towerd.protocol.methods import EffectSettleParams, GitPushTarget, ProbeOutcome
+
+log = structlog.get_logger("towerd.probes")
+
+DEFAULT_PROBE_TIMEOUT = 30.0
+MAX_SHOWN = 2000  # characters of a command's output kept as evidence
+CONCURRENT_PROBES = 4
+MIN_INTERVAL = 0.1  # seconds between passes at least, whatever --probe-interval says
+
+# Left out of a probe's environment: towerd's own supervisor plumbing.
+_SUPERVISOR_VARIABLES = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
+                         "WATCHDOG_USEC", "WATCHDOG_PID")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Ran:
+    """How an external command ended: its exit status (None: it could not be started or
+    was killed at the timeout, ``error`` says which) and what it wrote."""
+
+    status: int | None
+    stdout: str
+    stderr: str
+    error: str | None = None
+
+
+def run_command(argv: list[str], cwd: str | None, env: dict[str, str], timeout: float) -> Ran:
+    """Run ``argv`` in a session of its own (so the whole group dies at the timeout),
+    stdin closed, output captured."""
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        return Ran(None, "", "", f"cannot run {argv[0]}: {exc.strerror or exc}")
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        return Ran(None, "", "", f"timed out after {timeout:g} s")
+    return Ran(
+        proc.returncode,
+        out.decode("utf-8", "replace")[:MAX_SHOWN],
+        err.decode("utf-8", "replace")[:MAX_SHOWN],
+    )
+
+
+def git_env() -> dict[str, str]:
+    """The daemon's environment without any ``GIT_*`` (a stray GIT_DIR would point git
+    elsewhere) and without a way to prompt: no terminal, ssh in batch mode."""
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("GIT_") and name not in _SUPERVISOR_VARIABLES
+    }
+    env.update(GIT_TERMINAL_PROMPT="0", GIT_SSH_COMMAND="ssh -o BatchMode=yes", LC_ALL="C")
+    return env
+
+
+def _failure(ran: Ran) -> str:
+    return ran.error or f"exit {ran.status}: {ran.stderr.strip()[-500:]}"
+
+
+def probe_git_push(target: GitPushTarget, timeout: float) -> tuple[str, dict[str, Any]]:
+    """(verdict, evidence) for a push of ``target.commit`` to ``target.ref`` of
+    ``target.remote_url``: committed, aborted or unknown."""
+    env = git_env()
+    evidence: dict[str, Any] = {"probe": "git ls-remote", "remote_url": target.remote_url,
+                                "ref": target.ref, "commit": target.commit}  # fmt: skip
+    repo = target.repo if os.path.isdir(target.repo) else None
+    listed = run_command(
+        ["git", "ls-remote", target.remote_url, target.ref], repo or "/", env, timeout
+    )
+    if listed.status != 0:
+        return "unknown", {**evidence, "error": f"git ls-remote: {_failure(listed)}"}
+    tips = [
+        line.split("\t", 1)[0]
+        for line in listed.stdout.splitlines()
+        if line.split("\t", 1)[-1] == target.ref
+    ]
+    if not tips:
+        return "aborted", {**evidence, "remote_tip": None, "seen": "the remote has no such ref"}
+    tip = tips[0]
+    evidence["remote_tip"] = tip
+    if tip == target.commit:
+        return "committed", {**evidence, "seen": "the remote ref is at the commit"}
+    if repo is None:
+        return "unknown", {**evidence, "error": f"the repository {target.repo} is gone: "
+                           "cannot tell whether the remote tip contains the commit"}  # fmt: skip
+    git = ["git", "-C", repo]
+    if run_command([*git, "cat-file", "-e", f"{tip}^{{commit}}"], repo, env, timeout).status:
+        fetched = run_command(
+            [*git, "fetch", "--no-tags", "--no-write-fetch-head", "--quiet",
+             target.remote_url, target.ref],
+            repo, env, timeout,
+        )  # fmt: skip
+        if fetched.status != 0:
+            return "unknown", {**evidence, "error": f"git fetch: {_failure(fetched)}"}
+        evidence["fetched"] = True
+    decided = run_command(
+        [*git, "merge-base", "--is-ancestor", target.commit, tip], repo, env, timeout
+    )
+    if decided.status == 0:
+        return "committed", {**evidence, "seen": "the remote ref is at a descendant of the commit"}
+    if decided.status == 1:
+        return "aborted", {
+            **evidence,
+            "seen": "the remote ref is at a commit that does not contain the commit",
+        }
+    return "unknown", {**evidence, "error": f"git merge-base: {_failure(decided)}"}
+
+
+def probe_command(command: str, cwd: str | None, timeout: float) -> tuple[str, dict[str, Any]]:
+    """(verdict, evidence) of a key's probe command: exit 0 committed (it happened),
+    1 aborted (it did not), anything else unknown."""
+    evidence: dict[str, Any] = {"probe": command, "cwd": cwd}
+    if cwd is not None and not os.path.isdir(cwd):
+        return "unknown", {**evidence, "error": f"the directory {cwd} is gone"}
+    env = {k: v for k, v in os.environ.items() if k not in _SUPERVISOR_VARIABLES}
+    env["GIT_TERMINAL_PROMPT"] = "0"
+    ran = run_command(["/bin/sh", "-c", command], cwd or "/", env, timeout)
+    evidence.update(exit_status=ran.status, stdout=ran.stdout, stderr=ran.stderr)
+    if ran.error is not None:
+        evidence["error"] = ran.error
+    if ran.error is not None or ran.status not in (0, 1):
+        return "unknown", evidence
+    return ("committed" if ran.status == 0 else "aborted"), evidence
+
+
+class Prober:
+    """Runs the probes: periodically (:meth:`run`) and on request (:meth:`settle`)."""
+
+    NAME = "probes"  # its name in status.upkeep
+
+    def __init__(
+        self,
+        store: Store,
+        interval: float,
+        upkeep: Upkeep | None = None,
+        timeout: float = DEFAULT_PROBE_TIMEOUT,
+    ) -> None:
+        self.store = store
+        self.interval = interval
+        self.timeout = timeout
+        self.upkeep = upkeep or Upkeep()
+        self._limiter = anyio.CapacityLimiter(CONCURRENT_PROBES)
+        # What is being probed now (an effect key, or a key's identity) -> its outcome to
+        # come: a second pass that meets it waits for that probe instead of running it
+        # again, and a long periodic pass does not hold up `effects settle` for the rest.
+        self._running: dict[Any, tuple[anyio.Event, list[ProbeOutcome]]] = {}
+
+    @property
+    def base_ms(self) -> int:
+        return max(int(self.interval * 1000), 1000)
+
+    async def run(self) -> None:
+        """A pass at once (start-up reconciliation's probes), then every ``interval``
+        seconds over what is due; a failing pass backs off like any upkeep task."""
+        while True:
+            await self.upkeep.attempt(self.NAME, lambda: self.settle(None, due_only=True))
+            await anyio.sleep(self.upkeep.delay(self.NAME, max(self.interval, MIN_INTERVAL)))
+
+    async def settle(
+        self, params: EffectSettleParams | None, *, due_only: bool = False
+    ) -> list[ProbeOutcome]:
+        """Probe the effects ``params`` names, or every unsettled effect and every
+        unknown key with a probe (``due_only``: those whose next probe is due)."""
+        params = params or EffectSettleParams()
+        found = await self.store.read(effects.to_probe, DAEMON, params, due_only)
+        keys = [] if params.effect_keys or params.run_id else await self.store.read(
+            idempotency.keys_to_probe, due_only
+        )  # fmt: skip
+        outcomes: list[ProbeOutcome | None] = [None] * (len(found) + len(keys))
+        async with anyio.create_task_group() as tasks:
+            for i, item in enumerate(found):
+                if item.verdict is not None:
+                    outcomes[i] = ProbeOutcome(item.verdict, item.status,
+                                               effect_key=item.effect_key)  # fmt: skip
+                else:
+                    tasks.start_soon(self._once, item.effect_key, self._effect, item, outcomes, i)
+            for j, key in enumerate(keys):
+                ident = (key.principal, key.operation, key.key)
+                tasks.start_soon(self._once, ident, self._key, key, outcomes, len(found) + j)
+        if not (params.effect_keys or params.run_id):
+            await self._reconcile_evidence()
+        return [outcome for outcome in outcomes if outcome is not None]
+
+    async def _reconcile_evidence(self) -> None:
+        """Start-up reconciliation's own evidence (a fleet row, a message, a committed
+        effect, a live agent process), looked for again for this daemon's unknown keys:
+        evidence that appeared since settles them without a restart."""
+        if not await self.store.read(reconcile.any_unknown):
+            return  # nothing to write: no commit, no fsync
+        completed, _still = await self.store.write(reconcile.settle_from_evidence)
+        if completed:
+            log.info("keys_completed_from_evidence", count=completed)
+
+    async def _once(
+        self, ident: Any, probe: Any, item: Any, outcomes: list[ProbeOutcome | None], slot: int
+    ) -> None:
+        """Run ``probe(item)`` unless a probe of the same thing is running: then its
+        outcome is this one too."""
+        running = self._running.get(ident)
+        if running is not None:
+            await running[0].wait()
+            outcomes[slot] = running[1][0] if running[1] else None
+            return
+        done: list[ProbeOutcome] = []
+        self._running[ident] = (anyio.Event(), done)
+        try:
+            done.append(await probe(item))
+            outcomes[slot] = done[0]
+        finally:
+            self._running.pop(ident)[0].set()
+
+    async def _effect(self, item: effects.ToProbe) -> ProbeOutcome:
+        assert item.git is not None
+        verdict, evidence = await anyio.to_thread.run_sync(
+            probe_git_push, item.git, self.timeout, limiter=self._limiter
+        )
+        outcome = await self.store.write(effects.record_probe, item, verdict, evidence,
+                                         self.base_ms)  # fmt: skip
+        self._log(outcome, effect_key=item.effect_key)
+        return outcome
+
+    async def _key(self, key: idempotency.KeyToProbe) -> ProbeOutcome:
+        verdict, evidence = await anyio.to_thread.run_sync(
+            probe_command, key.probe, key.cwd, self.timeout, limiter=self._limiter
+        )
+        outcome = await self.store.write(idempotency.record_key_probe, key, verdict, evidence,
+                                         self.base_ms)  # fmt: skip
+        self._log(outcome, principal=key.principal, operation=key.operation, key=key.key)
+        return outcome
+
+    @staticmethod
+    def _log(outcome: ProbeOutcome, **names: Any) -> None:
+        if outcome.verdict == "unknown":
+            log.warning("probe_inconclusive", code="probe_inconclusive", **names,
+                        reason=(outcome.evidence or {}).get("error"))  # fmt: skip
+        elif outcome.verdict in ("committed", "aborted"):
+            log.info("settled_by_probe", verdict=outcome.verdict, status=outcome.status,
+                     evidence=outcome.evidence, **names)  # fmt: skip
