@@ -92,6 +92,16 @@ def probe_verdict(effect: dict[str, Any]) -> str:
     return f"{probe['verdict']}, {plural(probe['attempts'], 'try', 'tries')}"
 
 
+def key_probe_verdict(key: dict[str, Any]) -> str:
+    """The PROBE cell of an outcome_unknown key: its probe command's last verdict
+    (``towerctl run --probe``), or that a person decides."""
+    if not key.get("probe"):
+        return PERSON
+    if not key.get("probe_verdict"):
+        return "probe due"
+    return f"{key['probe_verdict']}, {plural(key.get('probe_attempts') or 0, 'try', 'tries')}"
+
+
 def live_leases(snapshot: dict[str, Any], now_ms: int) -> list[dict[str, Any]]:
     """Leases lapse by the clock, without a change to push: drop the ones past due."""
     return [le for le in snapshot.get("leases", {}).get("leases", []) if le["expires_at"] > now_ms]
@@ -331,21 +341,27 @@ def _panels(view: View) -> dict[str, tuple[RenderableType, int]]:
             ("OPERATION", {}),
             ("KEY", {}),
             ("EFFECT REF", {"ratio": 1}),  # the one flexible column takes the spare width
+            ("PROBE", {}),
             ("AGE", {"justify": "right"}),
         )
+        waiting = 0
         for key in keys:
             mark, style = _marker(view, ("key", key["principal"], key["operation"], key["key"]))
+            verdict = key_probe_verdict(key)
+            waiting += verdict == PERSON
             table.add_row(
                 mark,
                 key["principal"],
                 key["operation"],
                 key["key"],
                 key.get("effect_ref") or "-",
+                verdict,
                 ago(key.get("updated_at"), now),
                 style=style,
             )
         title = (
-            f"[bold red]outcome unknown: {plural(len(keys), 'key')}[/] (did it run? check, then r)"
+            f"[bold red]outcome unknown: {plural(len(keys), 'key')}[/] "
+            f"({waiting} waiting for a person: did it run? check, then r; the rest are probed)"
         )
         panels["keys"] = (_panel(table, title, "red"), PANEL_CHROME + len(keys))
 

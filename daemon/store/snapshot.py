@@ -40,12 +40,15 @@ def _events(tx: Tx, budget: int) -> dict[str, Any]:
 
 
 def _idem(tx: Tx, budget: int) -> dict[str, Any]:
+    names = (
+        "principal", "operation", "key", "state", "effect_ref", "holder_pid", "updated_at",
+        "probe", "probe_verdict", "probe_attempts",  # an evidence probe (daemon/probes.py)
+    )  # fmt: skip
     rows = tx.conn.execute(
-        "SELECT principal, operation, key, state, effect_ref, holder_pid, updated_at "
+        f"SELECT {', '.join(names)} "
         "FROM idempotency WHERE state != 'completed' ORDER BY updated_at LIMIT ?",
         (MAX_ITEMS + 1,),
     ).fetchall()
-    names = ("principal", "operation", "key", "state", "effect_ref", "holder_pid", "updated_at")
     keys, cut = _fit([dict(zip(names, row, strict=True)) for row in rows], budget)
     return {"keys": keys, "counts": idempotency.count_by_state(tx), "truncated": cut}
 

@@ -228,6 +228,14 @@ def test_a_run_probe_settles_an_unknown_key_by_its_exit_status(daemon, short_tmp
     refused = towerctl(daemon, "run", "--key", "happened", "--probe", "x", "--", "sh", "-c",
                        f"touch {short_tmp}/happened.started; exec sleep 1000")  # fmt: skip
     assert refused.returncode == 120
+    # towerctl top's panel says the key is probed, with its last verdict (not "a person
+    # decides"): from the watch snapshot the dashboard draws.
+    from towerd.client.top_view import key_probe_verdict
+
+    with daemon.client() as client:
+        snapshot = next(iter(client.watch(["idem"])))
+    (key,) = [k for k in snapshot["snapshot"]["idem"]["keys"] if k["key"] == "happened"]
+    assert key_probe_verdict(key) == "unknown, 1 try"
     (short_tmp / "verdict").write_text("0\n")
     outcomes = settle(daemon)
     assert (outcomes["happened"]["verdict"], outcomes["happened"]["status"]) == (
