@@ -48,10 +48,12 @@ import os
 import random
 import shlex
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +66,8 @@ PYTHON = sys.executable  # the venv's interpreter: run this as .venv/bin/python 
 TOWERCTL = str(Path(PYTHON).parent / "towerctl")
 TARGET = 1.25  # the one-shot hook process: wall time at most this many times the floor's
 GUARD_TARGET = 1.3  # towerctl hook's allowed edit: at most this many times hook-report's
+STEP_TARGET = 1.1  # towerctl run --key: at most this many times the same step by hand
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: protocol/, client/
 
 FLOOR_SCRIPT = """\
 import socket
@@ -137,6 +141,30 @@ def edit_event(path: str) -> dict[str, object]:
     }
 
 
+# What an idempotent step costs done by hand, the baseline of `towerctl run --key K --
+# true`: one process opens the SQLite file itself (WAL, synchronous=FULL: the daemon's
+# durability), claims the key in one transaction, runs the effect, completes it in another.
+STEP_FLOOR_SCRIPT = """\
+import sqlite3, subprocess, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=30)
+db.execute("PRAGMA synchronous = FULL")
+db.execute("BEGIN IMMEDIATE")
+db.execute("INSERT INTO keys (key, state) VALUES (?, 'in_progress')", (sys.argv[2],))
+db.execute("COMMIT")
+subprocess.run(["true"], check=True)
+db.execute("BEGIN IMMEDIATE")
+db.execute("UPDATE keys SET state = 'completed', result = ? WHERE key = ?", ("0", sys.argv[2]))
+db.execute("COMMIT")
+"""
+# hook-report without the editable install's import finder (its .pth hook costs every
+# venv process pathlib, fnmatch and re): no site, towerd found through a directory of
+# links laid out as the installed package is (what a regular install gives).
+NO_FINDER_CODE = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "from towerd.client.hook_report import report; report()"
+)
+
+
 def frame(value: object) -> bytes:
     payload = msgspec.msgpack.encode(value)
     return len(payload).to_bytes(4, "big") + payload
@@ -149,23 +177,26 @@ class Command:
     stdin: bytes | None = None
     env: dict[str, str] = field(default_factory=dict)  # added to the run's environment
     walls: list[float] = field(default_factory=list)  # ms
+    runs: int = 0  # "{n}" in argv is this run's number (warm-ups included): a fresh key
 
     def run(self, env: dict[str, str]) -> float:
         """One fresh process; wall ms from spawn to exit."""
         env = {**env, **self.env}
+        argv = [part.replace("{n}", str(self.runs)) for part in self.argv]
+        self.runs += 1
         stdin = subprocess.PIPE if self.stdin is not None else subprocess.DEVNULL
         started = time.perf_counter_ns()
         proc = subprocess.Popen(
-            self.argv, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+            argv, stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
         )
         if self.stdin is not None:
             proc.communicate(self.stdin)
         status = proc.wait()
         wall = (time.perf_counter_ns() - started) / 1e6
         if status != 0:
-            again = subprocess.run(self.argv, input=self.stdin, capture_output=True, env=env)
+            again = subprocess.run(argv, input=self.stdin, capture_output=True, env=env)
             raise SystemExit(
-                f"{self.name}: exit status {status}: {shlex.join(self.argv)}\n"
+                f"{self.name}: exit status {status}: {shlex.join(argv)}\n"
                 f"{again.stdout.decode()[-2000:]}{again.stderr.decode()[-2000:]}"
             )
         return wall
@@ -256,7 +287,7 @@ def main() -> None:
         # The guard: a file nobody holds, and one another session's agent (a child of
         # this process, so that it may be named) holds.
         free_file, held_file = workdir / "free.py", workdir / "held.py"
-        holder_agent = subprocess.Popen(["sleep", "3600"])
+        holder_agent = subprocess.Popen(["sleep", "3600"], stdout=subprocess.DEVNULL)
         with Client(sock) as client:
             client.hook_event(
                 "SessionStart", "claude", agent_session_id=HOLDER_SESSION,
@@ -296,6 +327,38 @@ def main() -> None:
         )
         allowed = Command("towerctl hook, Edit allowed", guard_argv, allowed_stdin, guard_env)
         denied = Command("towerctl hook, Edit denied", guard_argv, denied_stdin, guard_env)
+        # The other commands a hook or a wrapper runs once per agent event.
+        ctl = [TOWERCTL, "--socket", sock]
+        with Client(sock) as client:
+            for n in range(warmups + runs):  # what each `idem complete` run completes
+                client.idem_claim("bench", f"pre-{n}")
+        idem_claim = Command("towerctl idem claim", [*ctl, "idem", "claim", "bench", "c-{n}"])
+        idem_complete = Command(
+            "towerctl idem complete", [*ctl, "idem", "complete", "bench", "pre-{n}"]
+        )
+        run_step = Command("towerctl run --key K -- true", [*ctl, "run", "--key", "s-{n}", "--",
+                                                            "true"])  # fmt: skip
+        # From an agent's shell (this process is the agent of EDITOR_SESSION by now).
+        claim_path = Command("towerctl claim PATH", [*ctl, "claim", str(workdir / "c.py")])
+        step_db = workdir / "step.db"
+        with closing(sqlite3.connect(step_db)) as db:
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("CREATE TABLE keys (key TEXT PRIMARY KEY, state TEXT, result TEXT)")
+        step_script = workdir / "step_floor.py"
+        step_script.write_text(STEP_FLOOR_SCRIPT)
+        step_floor = Command(
+            "step floor: sqlite3 by hand", [PYTHON, str(step_script), str(step_db), "s-{n}"]
+        )
+        lean_root = workdir / "lean"
+        (lean_root / "towerd").mkdir(parents=True)
+        for package in ("protocol", "client"):
+            (lean_root / "towerd" / package).symlink_to(ROOT / package)
+        no_finder = Command(
+            "hook-report, no import finder",
+            [PYTHON, "-S", "-c", NO_FINDER_CODE, str(lean_root)],
+            hook_stdin,
+            hook_env,
+        )
         commands = [
             floor,
             Command("floor, python -I -S", [PYTHON, "-I", "-S", str(floor_script)]),
@@ -308,6 +371,12 @@ def main() -> None:
             lean,
             allowed,
             denied,
+            idem_claim,
+            idem_complete,
+            claim_path,
+            run_step,
+            step_floor,
+            no_finder,
         ]
         for command in commands:
             for _ in range(warmups):
@@ -360,12 +429,10 @@ def main() -> None:
         )
 
         print()
-        for command in (commands[3], commands[4], hook, no_daemon, lean, allowed, denied):
+        hook_path = (hook, allowed, denied, idem_claim, idem_complete, claim_path)
+        for command in (commands[3], commands[4], no_daemon, lean, no_finder, *hook_path):
             ratio = command.median / floor.median
-            bar = (
-                "the hook process" if command in (hook, allowed, denied)
-                else "same bar, for reference"
-            )  # fmt: skip
+            bar = "the hook process" if command in hook_path else "same bar, for reference"
             print(
                 f"target: one-shot {command.name} ({bar}) median <= {TARGET}x the stdlib floor: "
                 f"measured {ratio:.2f}x ({command.median:.1f} / {floor.median:.1f} ms) -> "
@@ -382,6 +449,18 @@ def main() -> None:
             f"target: towerctl hook, Edit allowed, median <= {GUARD_TARGET}x hook-report's: "
             f"measured {ratio:.2f}x ({allowed.median:.1f} / {hook.median:.1f} ms) -> "
             f"{'met' if ratio <= GUARD_TARGET else 'NOT met'}"
+        )
+        ratio = run_step.median / step_floor.median
+        print(
+            f"target: an idempotent step (claim, `true`, complete) through towerctl run median "
+            f"<= {STEP_TARGET}x the same by hand against a SQLite file: measured {ratio:.2f}x "
+            f"({run_step.median:.1f} / {step_floor.median:.1f} ms) -> "
+            f"{'met' if ratio <= STEP_TARGET else 'NOT met'}"
+        )
+        print(
+            f"the editable install's import finder costs hook-report "
+            f"{hook.median - no_finder.median:.1f} ms ({hook.median:.1f} vs "
+            f"{no_finder.median:.1f} ms without it)"
         )
         holder_agent.kill()
         ok = True
