@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["AGENTS", "AGENT_EVENTS", "GUARD_POLICIES", "agent_process", "edit_targets"]
 
 DEFAULT_GUARD = "deny"
+SCOPES = ("user", "project")  # whose settings hooks install writes: the user's, a project's
 
 # The hook events towerd wires, per agent, in the order they are written. Claude Code's
 # are its documented hook events that report a session's life or its attention; Codex's

@@ -36,6 +36,7 @@ from towerd.client.agents import (
     DEFAULT_GUARD,
     GUARD_POLICIES,
     HOOK_TIMEOUT_SECONDS,
+    SCOPES,
 )
 from towerd.protocol import VERSION
 
@@ -58,7 +59,6 @@ __all__ = [
     "uninstall",
 ]
 
-SCOPES = ("user", "project")
 AGENT_CHOICES = ("all", *AGENTS)
 BACKUP_SUFFIX = ".towerd-backup"
 EX_DATAERR = 65  # sysexits.h: the settings file is not what an agent reads

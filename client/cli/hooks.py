@@ -9,7 +9,7 @@ same when no daemon answers.
 
 from __future__ import annotations
 
-from towerd.client.agents import AGENTS, DEFAULT_GUARD, GUARD_POLICIES
+from towerd.client.agents import AGENTS, DEFAULT_GUARD, GUARD_POLICIES, SCOPES
 from towerd.client.cli.output import LocalFailure, UsageError, when
 from towerd.client.cli.registry import Commands, arg, call_timeout
 
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 COMMANDS = Commands()
 COMMANDS.group("hooks", "wire towerd into Claude Code's and Codex's hooks, and check them")
 
-SCOPES = ("user", "project")  # towerd.client.hooks_install.SCOPES, without importing it
 AGENT = arg(
     "--agent",
     choices=("all", *AGENTS),

@@ -165,3 +165,25 @@ assert _me is not None and _parent is not None
 LIVE: Holder = _me  # this test process: alive
 OTHER_LIVE: Holder = _parent  # another live process (pytest's parent)
 DEAD = Holder(LIVE.pid, LIVE.start + 1)  # the same pid, another start time: not alive
+
+
+# --- reading committed rows ------------------------------------------------------------
+
+
+async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Committed rows, read on the store's read connection."""
+    return await store.read(lambda tx: tx.conn.execute(statement, args).fetchall())
+
+
+async def lease_rows(store: Store) -> list[tuple[Any, ...]]:
+    """The lease rows as the lease tests compare them (the columns every schema had)."""
+    return await sql(
+        store,
+        "SELECT resource, fencing_token, principal, holder_pid, holder_start, acquired_at, "
+        "renewed_at, expires_at, daemon_id FROM leases ORDER BY resource",
+    )
+
+
+async def counters(store: Store) -> dict[str, int]:
+    """The last token issued per resource."""
+    return dict(await sql(store, "SELECT resource, last_token FROM lease_tokens"))

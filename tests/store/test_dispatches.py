@@ -39,6 +39,7 @@ from store_helpers import (
     opened,
     query,
     register_old_row,
+    sql,
     state_dir,
 )
 from towerd.daemon.processes import Holder, holder_of
@@ -291,10 +292,6 @@ async def get(store: Store, dispatch_id: int) -> DispatchRecord:
 
 async def worker_row(store: Store, worker_id: str) -> WorkerRecord:
     return await store.read(workers.require, worker_id)
-
-
-async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    return await store.read(lambda tx: tx.conn.execute(statement, args).fetchall())
 
 
 async def events(store: Store) -> list[AuditEvent]:

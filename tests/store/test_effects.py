@@ -18,7 +18,19 @@ from typing import Any
 import msgspec
 import pytest
 
-from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, configured, opened, query
+from store_helpers import (
+    DEAD,
+    LIVE,
+    OTHER_LIVE,
+    at,
+    caller,
+    configured,
+    counters,
+    lease_rows,
+    opened,
+    query,
+    sql,
+)
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import Store, effects, leases, liveness
 from towerd.daemon.store import idempotency as idem
@@ -174,25 +186,8 @@ async def idem_keys(store: Store) -> IdemListResult:
     return await store.read(idem.list_keys, caller(ME), IdemListParams(limit=10))
 
 
-async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Committed rows, read on the store's read connection."""
-    return await store.read(lambda tx: tx.conn.execute(statement, args).fetchall())
-
-
 async def effect_rows(store: Store) -> list[tuple[Any, ...]]:
     return await sql(store, "SELECT * FROM effects ORDER BY rowid")
-
-
-async def lease_rows(store: Store) -> list[tuple[Any, ...]]:
-    return await sql(
-        store,
-        "SELECT resource, fencing_token, principal, holder_pid, holder_start, acquired_at, "
-        "renewed_at, expires_at, daemon_id FROM leases ORDER BY resource",
-    )
-
-
-async def counters(store: Store) -> dict[str, int]:
-    return dict(await sql(store, "SELECT resource, last_token FROM lease_tokens"))
 
 
 def data_of(record: EffectRecord | LeaseRecord) -> dict[str, Any]:

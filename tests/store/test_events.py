@@ -31,6 +31,7 @@ from store_helpers import (
     register,
     register_old_row,
     register_params,
+    sql,
     state_dir,
 )
 from towerd.daemon.processes import Holder
@@ -132,10 +133,6 @@ async def event_page(
     """event.list of a daemon whose pages hold ``budget`` bytes (half its max frame)."""
     fn = configured(events.list_events, max_frame=2 * budget)
     return await store.read(fn, caller(ME), params)
-
-
-async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    return await store.read(lambda tx: tx.conn.execute(statement, args).fetchall())
 
 
 async def activity(store: Store, session_ids: list[str] | None = None) -> list[SessionActivity]:

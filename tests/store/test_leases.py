@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, opened
+from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, counters, lease_rows, opened
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import Store, leases
 from towerd.protocol.errors import LeaseExpired, LeaseHeld, LeaseNotFound, LeaseSuperseded
@@ -76,23 +76,6 @@ async def get(store: Store, resource: str, shift: int = 0) -> LeaseRecord:
 async def list_live(store: Store) -> list[LeaseRecord]:
     """lease.list's leases, as anyone sees them."""
     return (await store.read(leases.list_leases, caller(), Empty())).leases
-
-
-async def sql(store: Store, statement: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Committed rows, read on the store's read connection."""
-    return await store.read(lambda tx: tx.conn.execute(statement, args).fetchall())
-
-
-async def lease_rows(store: Store) -> list[tuple[Any, ...]]:
-    return await sql(
-        store,
-        "SELECT resource, fencing_token, principal, holder_pid, holder_start, acquired_at, "
-        "renewed_at, expires_at, daemon_id FROM leases ORDER BY resource",
-    )
-
-
-async def counters(store: Store) -> dict[str, int]:
-    return dict(await sql(store, "SELECT resource, last_token FROM lease_tokens"))
 
 
 def as_dict(record: LeaseRecord) -> dict[str, Any]:
