@@ -336,6 +336,7 @@ VETTED = frozenset(
         "hello",
         "ping",
         "status",
+        "boxes.list",  # read-only: the store's daemons rows
         "session.register",
         "session.update",
         "session.remove",

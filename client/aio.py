@@ -348,10 +348,12 @@ class AsyncClient(_AsyncMethods):
             principal=self.principal,
         )
 
-    async def iter_fleet(self, page_size: int | None = None) -> AsyncIterator[SessionRow]:
+    async def iter_fleet(
+        self, page_size: int | None = None, *, daemon_id: str | None = None
+    ) -> AsyncIterator[SessionRow]:
         cursor = None
         while True:
-            page = await self.fleet_list(limit=page_size, cursor=cursor)
+            page = await self.fleet_list(limit=page_size, cursor=cursor, daemon_id=daemon_id)
             for row in page["sessions"]:
                 yield row
             cursor = page.get("next_cursor")

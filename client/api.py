@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # annotations only: hooks import this module
     from towerd.client.results import (
         AuditListResult,
         BackupResult,
+        BoxListResult,
         DispatchClaimResult,
         DispatchListResult,
         DispatchRecentResult,
@@ -91,6 +92,11 @@ class TowerdAPI:
     def shutdown(self) -> ShutdownResult:
         return self.call("shutdown")
 
+    def boxes_list(self) -> BoxListResult:
+        """Every box (daemon id) of the store -> ``{"boxes": [...]}``: its host, epoch,
+        presence and state (present, lapsed, dead); ``self`` marks this daemon."""
+        return self.call("boxes.list")
+
     # --- fleet ----------------------------------------------------------------------------
 
     def session_register(
@@ -116,12 +122,16 @@ class TowerdAPI:
     def session_remove(self, session_id: str) -> SessionRemoveResult:
         return self.call("session.remove", {"session_id": session_id})
 
-    def fleet_list(self, *, limit: int | None = None, cursor: int | None = None) -> FleetListResult:
-        """One page: ``{"sessions": [...], "next_cursor": int | None}``."""
-        return self.call("fleet.list", _given(limit=limit, cursor=cursor))
+    def fleet_list(
+        self, *, limit: int | None = None, cursor: int | None = None, daemon_id: str | None = None
+    ) -> FleetListResult:
+        """One page: ``{"sessions": [...], "next_cursor": int | None}``; ``daemon_id``: that
+        box's rows only (default: this daemon's on its own store, every box's on a shared
+        one)."""
+        return self.call("fleet.list", _given(limit=limit, cursor=cursor, daemon_id=daemon_id))
 
-    def fleet_get(self, session_id: str) -> SessionRow:
-        return self.call("fleet.get", {"session_id": session_id})
+    def fleet_get(self, session_id: str, *, daemon_id: str | None = None) -> SessionRow:
+        return self.call("fleet.get", _given(session_id=session_id, daemon_id=daemon_id))
 
     def fleet_write(
         self, sessions: Iterable[Mapping[str, Any]], removed: Iterable[str] = ()
@@ -604,11 +614,17 @@ class TowerdAPI:
             ),
         )
 
-    def session_activity(self, session_ids: Iterable[str] | None = None) -> SessionActivityResult:
-        """Each session's last activity and attention (running, needs_you, done, exited)."""
+    def session_activity(
+        self, session_ids: Iterable[str] | None = None, *, daemon_id: str | None = None
+    ) -> SessionActivityResult:
+        """Each session's last activity and attention (running, needs_you, done, exited);
+        ``daemon_id``: that box's sessions only."""
         return self.call(
             "session.activity",
-            _given(session_ids=None if session_ids is None else list(session_ids)),
+            _given(
+                session_ids=None if session_ids is None else list(session_ids),
+                daemon_id=daemon_id,
+            ),
         )
 
     def session_message(
@@ -629,10 +645,10 @@ class TowerdAPI:
     def message_ack(self, message_id: str, status: str = "read") -> MessageRecord:
         return self.call("message.ack", {"message_id": message_id, "status": status})
 
-    def fleet_restore_plan(self) -> RestorePlanResult:
+    def fleet_restore_plan(self, *, daemon_id: str | None = None) -> RestorePlanResult:
         """What to bring back after a restart: non-exited sessions, newest activity first,
-        each parent before its sub-sessions."""
-        return self.call("fleet.restore_plan")
+        each parent before its sub-sessions; ``daemon_id``: that box's sessions only."""
+        return self.call("fleet.restore_plan", _given(daemon_id=daemon_id))
 
     # --- operator tools ------------------------------------------------------------------
 

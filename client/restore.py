@@ -243,7 +243,10 @@ class Restorer:
     # --- the run --------------------------------------------------------------------
 
     def run(self) -> list[Outcome]:
-        plan = self.client.fleet_restore_plan()["sessions"]
+        # This box's sessions: on a store several boxes share, the plan's default is
+        # every box's, and another box's agents are that box's to bring back.
+        own = self.client.hello.get("daemon_id")
+        plan = self.client.fleet_restore_plan(daemon_id=own)["sessions"]
         wanted = set(self.options.sessions) if self.options.sessions is not None else None
         outcomes = []
         for entry in plan:

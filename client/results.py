@@ -14,6 +14,8 @@ __all__ = [
     "AuditEvent",
     "AuditListResult",
     "BackupResult",
+    "BoxListResult",
+    "BoxRecord",
     "ClockReport",
     "DispatchClaimResult",
     "DispatchListResult",
@@ -109,6 +111,25 @@ class BackupResult(TypedDict):
     pages: int
     integrity: list[str]
     duration_ms: int
+
+
+class BoxListResult(TypedDict):
+    boxes: list[BoxRecord]
+    truncated: NotRequired[bool]
+
+
+class BoxRecord(TypedDict):
+    """One box of the store: a daemon id that ever registered in it, and its state."""
+
+    daemon_id: str
+    owner_epoch: int
+    host: str
+    pid: int
+    started_at: int
+    presence_at: int
+    dead_at: int | None
+    state: Literal["dead", "lapsed", "present"]
+    self: bool
 
 
 class ClockReport(TypedDict):
@@ -506,6 +527,7 @@ class ReconcileReport(TypedDict):
 
 class RestorePlanEntry(TypedDict):
     session_id: str
+    daemon_id: str
     parent: str | None
     agent: str
     agent_session_id: str | None
@@ -534,6 +556,7 @@ class SessionActivity(TypedDict):
     last_activity_at: int | None
     last_kind: str | None
     attention: Literal["done", "exited", "needs_you", "running"]
+    daemon_id: str
     live: bool | None
 
 

@@ -348,11 +348,13 @@ class Client(TowerdAPI):
 
     # --- paging --------------------------------------------------------------------------------
 
-    def iter_fleet(self, page_size: int | None = None) -> Iterator[SessionRow]:
-        """Every row of this daemon's fleet, fetching page after page."""
+    def iter_fleet(
+        self, page_size: int | None = None, *, daemon_id: str | None = None
+    ) -> Iterator[SessionRow]:
+        """Every fleet row shown (``fleet_list``'s ``daemon_id``), fetching page after page."""
         cursor = None
         while True:
-            page = self.fleet_list(limit=page_size, cursor=cursor)
+            page = self.fleet_list(limit=page_size, cursor=cursor, daemon_id=daemon_id)
             yield from page["sessions"]
             cursor = page.get("next_cursor")
             if cursor is None:

@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from towerd.daemon.private_paths import StartRefused, check_private
 from towerd.daemon.server import DEFAULT_MAX_CONNECTIONS_PER_PROCESS, Limits
 from towerd.daemon.store import StoreConfig
 from towerd.daemon.watch import DEFAULT_MAX_QUEUED_BYTES
@@ -51,6 +52,24 @@ class DaemonConfig:
     state_dir: Path = option(
         None, "--state-dir", "state directory (default $TOWERD_STATE_DIR, else "
         "$XDG_STATE_HOME/towerd)", "DIR", type=Path,
+    )  # fmt: skip
+    store: str = option(
+        None, "--store", "the state store: a postgresql:// DSN puts it on PostgreSQL, shared "
+        "by every box's daemon (default $TOWERD_STORE, else SQLite in the state dir)",
+        "DSN", env="TOWERD_STORE",
+    )  # fmt: skip
+    store_dsn_file: Path = option(
+        None, "--store-dsn-file", "read the PostgreSQL DSN from this file (mode 0600, yours), "
+        "so no password is on a command line or in a unit file", "PATH", type=Path,
+    )  # fmt: skip
+    presence_interval: float = option(
+        5.0, "--presence-interval", "PostgreSQL store: how often this box heartbeats its "
+        "presence (default 5)", "SECONDS", type=float,
+    )  # fmt: skip
+    presence_ttl: float = option(
+        30.0, "--presence-ttl", "PostgreSQL store: a box silent this long is dead for every "
+        "box: its keys turn outcome_unknown, its leases are freed (default 30, at least 5)",
+        "SECONDS", type=float,
     )  # fmt: skip
     takeover: bool = option(
         False, "--takeover", "ask the running daemon to stop, then start at the next epoch",
@@ -184,6 +203,7 @@ class DaemonConfig:
 
     def store_config(self, state_dir: Path) -> StoreConfig:
         """What the store needs of these settings (in its units: milliseconds)."""
+        self.check_presence()
         return StoreConfig(
             state_dir,
             completed_ttl_ms=int(self.completed_ttl_seconds * 1000),
@@ -201,7 +221,23 @@ class DaemonConfig:
             branch_prefix=self.branch_prefix,
             kv_max_value=self.kv_max_value,
             event_max_payload=self.event_max_payload,
+            store=self.store_dsn(),
+            presence_interval_ms=int(self.presence_interval * 1000),
+            presence_ttl_ms=int(self.presence_ttl * 1000),
         )
+
+    def check_presence(self) -> None:
+        if self.presence_ttl < 5 or not 0 < self.presence_interval < self.presence_ttl:
+            raise StartRefused(
+                f"--presence-ttl {self.presence_ttl:g} must be at least 5 seconds and longer "
+                f"than --presence-interval {self.presence_interval:g} (which must be > 0)"
+            )
+
+    def store_dsn(self) -> str | None:
+        """The PostgreSQL DSN (``--store``, else ``--store-dsn-file``), or None for SQLite."""
+        if self.store_dsn_file is not None:
+            return read_dsn_file(self.store_dsn_file)
+        return self.store or None
 
     def limits(self) -> Limits:
         """What one peer may cost the server."""
@@ -213,6 +249,19 @@ class DaemonConfig:
             frame_timeout=self.frame_timeout,
             send_timeout=self.send_timeout,
         )
+
+
+def read_dsn_file(path: Path) -> str:
+    """The DSN in ``path``, which must be a regular file of this uid that nobody else may
+    read (it may hold a password)."""
+    check_private(path, "store DSN file", want_dir=False)
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise StartRefused(f"cannot read the store DSN file {path}: {exc}") from None
+    if not text:
+        raise StartRefused(f"the store DSN file {path} is empty")
+    return text
 
 
 def options() -> list[tuple[str, Any]]:

@@ -33,6 +33,7 @@ from towerd.daemon.store import (
     Store,
     agents,
     audit,
+    boxes,
     dispatches,
     effects,
     events,
@@ -92,6 +93,7 @@ def now(fn: Callable[[Tx, Caller, Any], Any]) -> Route:
 
 
 ROUTES: dict[str, Route] = {
+    "boxes.list": read(boxes.list_boxes),
     "session.register": write(fleet.register_session),
     "session.update": write(fleet.update_session),
     "session.remove": write(fleet.remove_session),
@@ -200,6 +202,8 @@ class Handlers:
         if route.how == "read":
             return lambda caller, params: store.read(fn, caller, params)
         assert route.how == "now", route
+        if not store.inline_reads:  # PostgreSQL: across the network, never on the loop
+            return lambda caller, params: store.read(fn, caller, params)
         return lambda caller, params: store.read_now(fn, caller, params)
 
     # --- daemon ----------------------------------------------------------------------
@@ -230,7 +234,7 @@ class Handlers:
             protocol=PROTOCOL_VERSION,
             started_at=self.info.started_at,
             uptime_ms=int((time.monotonic() - self.info.started_monotonic) * 1000),
-            db_path=str(self.store.db_path),
+            db_path=self.store.location,
             socket_path=self.info.socket_path,
             sessions=sessions,
             keys=keys,
@@ -253,14 +257,20 @@ class Handlers:
 
     # --- point reads from the read cache -------------------------------------------------
 
-    def fleet_get(self, caller: Caller, params: m.SessionIdParams) -> m.SessionRow:
+    def fleet_get(self, caller: Caller, params: m.FleetGetParams) -> Any:
+        if not self.store.inline_reads:  # another box may have written: no cache
+            return self.store.read(fleet.get, caller, params)
+        if params.daemon_id not in (None, self.store.daemon_id):  # the cache: own rows only
+            return self.store.read_now(fleet.get, caller, params)
         cached = self.cache.fleet.get(params.session_id)
         if cached is not None:
             return cached
         row = self.store.read_now(fleet.get, caller, params)
         return self.cache.remember(self.cache.fleet, params.session_id, row)
 
-    def idem_get(self, caller: Caller, params: m.IdemKeyParams) -> m.IdemRecord:
+    def idem_get(self, caller: Caller, params: m.IdemKeyParams) -> Any:
+        if not self.store.inline_reads:  # another box may have written: no cache
+            return self.store.read(idempotency.get, caller, params)
         key = (caller.principal, params.operation, params.key)
         cached = self.cache.idem.get(key)
         if cached is not None:

@@ -168,7 +168,8 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         tasks.start_soon(sweep.run)
         tasks.start_soon(prober.run)  # its first pass runs beside READY, never before it
         tasks.start_soon(expire_periodically, store, config.expiry_interval, upkeep)
-        tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval, upkeep)
+        if store.backend == "sqlite":  # a WAL file to keep small
+            tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval, upkeep)
         tasks.start_soon(guard_periodically, store, handlers.clock_steps, upkeep)
         tasks.start_soon(_stop_when_superseded, store, stop)
         tasks.start_soon(_stop_when_store_lost, store, stop)

@@ -192,6 +192,8 @@ async def expire_once(store: Store) -> None:
             break
     if any(pruned.values()):
         log.info("history_pruned", **pruned)
+    if store.backend != "sqlite":
+        return  # PostgreSQL's autovacuum returns the space
     returned = 0
     while step := await store.write(retention.vacuum_step):
         returned += step
@@ -246,7 +248,8 @@ async def guard_periodically(
                 offset_ms=steps.last_offset_ms,
                 note="towerd's clock is unaffected: nothing is reaped, expired or parked",
             )
-        if anyio.current_time() - last_recorded >= HIGH_WATER_EVERY:
+        if store.backend == "sqlite" and anyio.current_time() - last_recorded >= HIGH_WATER_EVERY:
+            # (On PostgreSQL every write is on the server's clock: nothing to record.)
             await store.write(clock_record.save_high_water)
             last_recorded = anyio.current_time()
 

@@ -25,6 +25,16 @@ class Holder:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteHolder(Holder):
+    """A process of another box (daemon ``box``) on a store several boxes share. Nobody
+    checks a pid of another box: it counts as alive while its box is present, and when
+    that box's presence lapses, a live box settles everything it held
+    (daemon/store/presence.py). Never equal to a local Holder with the same pid."""
+
+    box: str
+
+
+@dataclass(frozen=True, slots=True)
 class PeerCredentials:
     pid: int
     uid: int
@@ -74,7 +84,10 @@ def holder_of(pid: int) -> Holder | None:
 
 def is_alive(holder: Holder) -> bool:
     """False only on evidence that the process is gone (no such pid, a zombie, another
-    start time); a holder whose liveness cannot be read counts as alive."""
+    start time); a holder whose liveness cannot be read counts as alive, and so does
+    another box's process (see RemoteHolder)."""
+    if isinstance(holder, RemoteHolder):
+        return True
     try:
         return process_start_time(holder.pid) == holder.start
     except LivenessUnknown:

@@ -45,6 +45,11 @@ def attention(exited: bool, last_kind: str | None) -> str:
     return ATTENTION_BY_KIND.get(last_kind or "", "running")
 
 
+# A box (a daemon id) of the store, as ``boxes.list`` derives it: present (it answers, or
+# its presence is within the TTL), lapsed (silent past the TTL, not yet declared dead),
+# dead (declared dead by a live box).
+BOX_STATES = ("present", "lapsed", "dead")
+
 WATCH_TOPICS = ("fleet", "events", "idem", "leases", "effects", "dispatch")
 AGENTS = ("claude", "codex")  # the agents whose hooks ``towerctl hook`` reads
 GUARD_POLICIES = ("deny", "warn", "off")  # what a hook does when another session holds a path

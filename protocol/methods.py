@@ -48,13 +48,14 @@ METHODS: dict[str, MethodSpec] = {
     "shutdown": MethodSpec(
         Empty, ShutdownResult, False, "stop gracefully after in-flight requests"
     ),
+    "boxes.list": MethodSpec(Empty, BoxListResult, False, "every box of the store"),
     "session.register": MethodSpec(
         SessionRegisterParams, SessionRegisterResult, True, "insert one fleet row"
     ),
     "session.update": MethodSpec(SessionUpdateParams, SessionRow, True, "rewrite given fields"),
     "session.remove": MethodSpec(SessionIdParams, SessionRemoveResult, True, "delete one row"),
-    "fleet.list": MethodSpec(FleetListParams, FleetListResult, False, "this daemon's rows, paged"),
-    "fleet.get": MethodSpec(SessionIdParams, SessionRow, False, "one row"),
+    "fleet.list": MethodSpec(FleetListParams, FleetListResult, False, "fleet rows, paged"),
+    "fleet.get": MethodSpec(FleetGetParams, SessionRow, False, "one row"),
     "fleet.write": MethodSpec(FleetWriteParams, FleetWriteResult, True, "replace given rows"),
     "fleet.import_legacy": MethodSpec(
         LegacyImportParams, LegacyImportResult, True, "import a legacy fleet file"
@@ -148,7 +149,7 @@ METHODS: dict[str, MethodSpec] = {
     "message.ack": MethodSpec(MessageAckParams, MessageRecord, True, "mark delivered or read"),
     "watch": MethodSpec(WatchParams, WatchResult, False, "subscribe: snapshot, then changes"),
     "fleet.restore_plan": MethodSpec(
-        Empty, RestorePlanResult, False, "what to bring back after a restart"
+        RestorePlanParams, RestorePlanResult, False, "what to bring back after a restart"
     ),
     "backup": MethodSpec(BackupParams, BackupResult, False, "online copy of the database"),
     "doctor": MethodSpec(DoctorParams, DoctorResult, False, "health of the database"),
@@ -157,6 +158,7 @@ METHODS: dict[str, MethodSpec] = {
 FEATURES = [
     "fleet", "idempotency", "pipelining", "paging", "leases", "effects", "workers", "dispatch",
     "audit", "kv", "events", "messages", "watch", "restore_plan", "agent_hooks", "path_leases",
+    "boxes",
 ]  # fmt: skip
 
 

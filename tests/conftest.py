@@ -6,10 +6,14 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from towerd_testing import Daemon
+
+if TYPE_CHECKING:  # tests/pg_cluster.py is imported only when a test asks for PostgreSQL
+    from pg_cluster import Databases, PgCluster
 
 
 @pytest.fixture
@@ -50,3 +54,36 @@ def daemon(make_daemon: Callable[..., Daemon]) -> Iterator[Daemon]:
     yield running
     if running.proc is not None and running.proc.poll() is None:
         assert running.stop() == 0, running.log()
+
+
+# --- PostgreSQL: one private cluster per session, started when a test first asks ------
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[PgCluster]:
+    """The session's private PostgreSQL cluster (tests/pg_cluster.py), stopped and
+    removed at the end. Without PostgreSQL here the test is skipped, and fails under
+    CI=true: CI always runs the PostgreSQL tests. A test that kills or stops a cluster
+    starts its own ``PgCluster`` instead of this shared one."""
+    from pg_cluster import PgCluster, postgres_available, require_postgres
+
+    require_postgres(postgres_available())
+    with PgCluster() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def pg_databases(pg_cluster: PgCluster) -> Iterator[Databases]:
+    """Factory of fresh databases owned by ``towerd``: each call creates one and returns
+    its DSN; all are dropped at teardown (best effort)."""
+    from pg_cluster import Databases
+
+    databases = Databases(pg_cluster)
+    yield databases
+    databases.drop_all()
+
+
+@pytest.fixture
+def pg_dsn(pg_databases: Databases) -> str:
+    """The DSN of a fresh database for this test (``postgresql://towerd@/NAME?host=...``)."""
+    return pg_databases()

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 # module is imported; tests/client/test_cli_parser.py checks it against the modules'
 # declarations. A new command group adds its module's words here.
 COMMAND_GROUPS = {
-    "ping": "ops", "status": "ops", "shutdown": "ops",
+    "ping": "ops", "status": "ops", "shutdown": "ops", "boxes": "ops",
     "fleet": "fleet", "session": "fleet",
     "idem": "idem",
     "backup": "ops", "doctor": "ops", "install-systemd": "ops", "branch": "ops",

@@ -22,11 +22,28 @@ COMMANDS = Commands()
 
 COMMANDS.group("fleet", "fleet rows")
 
+# Which box's rows a fleet read shows (default: this daemon's on its own store, every
+# box's on a store several boxes share; `towerctl boxes` lists them).
+DAEMON = arg(
+    "--daemon",
+    dest="daemon_id",
+    default=None,
+    metavar="ID",
+    help="only this box's (daemon id's) rows (default: this daemon's, or on a shared "
+    "store every box's)",
+)
+
+
+def _box_column(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A BOX column when the rows are of more than one box (a shared store's fleet)."""
+    return [("daemon_id", "BOX")] if len({row.get("daemon_id") for row in rows}) > 1 else []
+
 
 def render_fleet(result: dict[str, Any]) -> str:
     text = table(
         result["sessions"],
         [
+            *_box_column(result["sessions"]),
             ("session_id", "SESSION"),
             ("name", "NAME"),
             ("agent", "AGENT"),
@@ -44,22 +61,23 @@ def render_fleet(result: dict[str, Any]) -> str:
 @COMMANDS.command(
     "fleet",
     "list",
-    help="this daemon's rows in stored order",
+    help="fleet rows in stored order",
     render=render_fleet,
     options=[
         arg("--limit", type=int, default=None, help="one page of at most N rows"),
         arg("--cursor", type=int, default=None, help="continue after this cursor"),
+        DAEMON,
     ],
 )
 def cmd_fleet_list(client: Client, args: argparse.Namespace) -> Any:
     if args.limit is not None:
-        return client.fleet_list(limit=args.limit, cursor=args.cursor)
-    return {"sessions": list(client.iter_fleet())}
+        return client.fleet_list(limit=args.limit, cursor=args.cursor, daemon_id=args.daemon_id)
+    return {"sessions": list(client.iter_fleet(daemon_id=args.daemon_id))}
 
 
-@COMMANDS.command("fleet", "get", help="one row", options=[arg("session_id")])
+@COMMANDS.command("fleet", "get", help="one row", options=[arg("session_id"), DAEMON])
 def cmd_fleet_get(client: Client, args: argparse.Namespace) -> Any:
-    return client.fleet_get(args.session_id)
+    return client.fleet_get(args.session_id, daemon_id=args.daemon_id)
 
 
 def render_import(result: dict[str, Any]) -> str:
@@ -108,7 +126,8 @@ def cmd_fleet_adopt(client: Client, args: argparse.Namespace) -> Any:
 def render_restore_plan(result: dict[str, Any]) -> str:
     return table(
         result["sessions"],
-        [("session_id", "SESSION"), ("parent", "PARENT"), ("agent", "AGENT"),
+        [*_box_column(result["sessions"]), ("session_id", "SESSION"), ("parent", "PARENT"),
+         ("agent", "AGENT"),
          ("agent_session_id", "AGENT_SESSION"), ("cwd", "CWD"),
          ("last_activity_at", "LAST_ACTIVITY")],
     )  # fmt: skip
@@ -120,9 +139,10 @@ def render_restore_plan(result: dict[str, Any]) -> str:
     help="what to bring back after a restart: sessions that have not exited, newest "
     "activity first, each parent before its sub-sessions",
     render=render_restore_plan,
+    options=[DAEMON],
 )
-def cmd_fleet_restore_plan(client: Client, _args: argparse.Namespace) -> Any:
-    return client.fleet_restore_plan()
+def cmd_fleet_restore_plan(client: Client, args: argparse.Namespace) -> Any:
+    return client.fleet_restore_plan(daemon_id=args.daemon_id)
 
 
 def render_restore(result: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""The daemon's own commands (ping, status, shutdown, backup) and the offline tools
+"""The daemon's own commands (ping, status, shutdown, boxes, backup) and the offline tools
 (doctor, install-systemd, branch cleanup).
 
 The offline tools import what they use when run: pathlib, sqlite3 and git's helpers
@@ -8,8 +8,9 @@ would cost every ``towerctl ping``.
 from __future__ import annotations
 
 import os
+import time
 
-from towerd.client.cli.output import LocalFailure, Unhealthy, UsageError
+from towerd.client.cli.output import LocalFailure, Unhealthy, UsageError, table
 from towerd.client.cli.registry import REPO, Commands, arg
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
@@ -39,6 +40,48 @@ def cmd_status(client: Client, _args: argparse.Namespace) -> Any:
 @COMMANDS.command("shutdown", help="stop the daemon gracefully")
 def cmd_shutdown(client: Client, _args: argparse.Namespace) -> Any:
     return client.shutdown()
+
+
+def age(millis: Any, now_ms: int) -> str:
+    """How long ago ``millis`` was, as ``3s ago`` (``-`` for none recorded: 0 or null)."""
+    if not isinstance(millis, int) or millis <= 0:
+        return "-"
+    seconds = max(0, now_ms - millis) // 1000
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} ago"
+    return f"{seconds}s ago"
+
+
+def render_boxes(result: dict[str, Any]) -> str:
+    now = int(time.time() * 1000)
+    rows = [
+        {
+            "box": ("* " if box["self"] else "  ") + box["daemon_id"],
+            "host": box["host"],
+            "epoch": box["owner_epoch"],
+            "state": box["state"],
+            "presence": age(box["presence_at"], now),
+            "started_at": box["started_at"],
+        }
+        for box in result["boxes"]
+    ]
+    text = table(
+        rows,
+        [("box", "  BOX"), ("host", "HOST"), ("epoch", "EPOCH"), ("state", "STATE"),
+         ("presence", "LAST PRESENCE"), ("started_at", "STARTED")],
+    )  # fmt: skip
+    return text + ("\n(more boxes than fit in one answer)" if result.get("truncated") else "")
+
+
+@COMMANDS.command(
+    "boxes",
+    help="every box (daemon id) of the store: host, epoch, state (present, lapsed: silent "
+    "past the presence TTL, dead), last presence; * marks this daemon",
+    render=render_boxes,
+)
+def cmd_boxes(client: Client, _args: argparse.Namespace) -> Any:
+    return client.boxes_list()
 
 
 @COMMANDS.command(

@@ -46,6 +46,11 @@ class StoreConfig:
     kv_max_value: int = DEFAULT_KV_MAX_VALUE  # bytes of one soft-state value, as msgpack
     event_max_payload: int = DEFAULT_EVENT_MAX_PAYLOAD  # bytes of one hook event's payload
     host: str = field(default_factory=socket.gethostname)  # recorded with each worker
+    # Where the store lives: None is SQLite in the state dir; a postgresql:// DSN is a
+    # database several boxes' daemons share (daemon/store/pg_store.py).
+    store: str | None = None
+    presence_interval_ms: int = 5000  # PostgreSQL: how often this box heartbeats
+    presence_ttl_ms: int = 30_000  # PostgreSQL: a box silent this long is dead
 
     @property
     def page_bytes(self) -> int:

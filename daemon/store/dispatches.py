@@ -16,7 +16,6 @@ everywhere, so stuck-rule suppression sees the units it is about.
 
 from __future__ import annotations
 
-import sqlite3
 from typing import Any
 
 from msgspec.structs import asdict
@@ -189,25 +188,26 @@ def _claim_unit(
              "dispatch_id": latest.dispatch_id},
         )  # fmt: skip
     attempt_n = attempts + 1
-    try:
-        cursor = tx.conn.execute(
-            """INSERT INTO dispatches (unit_type, unit_id, milestone_id, slice_id, task_id,
-                   trace_id, turn_id, worker_id, lease_resource, fencing_token, status,
-                   attempt_n, max_attempts, claimed_at)
-               VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'claimed', ?, ?, ?)""",
-            (params.unit_type, params.unit_id, params.milestone_id, params.slice_id,
-             params.task_id, params.trace_id, params.turn_id, params.worker_id,
-             params.lease_resource, params.fencing_token, attempt_n, params.max_attempts,
-             tx.now),
-        )  # fmt: skip
-    except sqlite3.IntegrityError:  # the partial unique index: the last word on "one active"
+    # The partial unique index has the last word on "one active": a conflict inserts
+    # nothing (no error, which on PostgreSQL would abort the whole batch's transaction).
+    inserted = tx.conn.execute(
+        """INSERT INTO dispatches (unit_type, unit_id, milestone_id, slice_id, task_id,
+               trace_id, turn_id, worker_id, lease_resource, fencing_token, status,
+               attempt_n, max_attempts, claimed_at)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'claimed', ?, ?, ?)
+           ON CONFLICT DO NOTHING RETURNING dispatch_id""",
+        (params.unit_type, params.unit_id, params.milestone_id, params.slice_id,
+         params.task_id, params.trace_id, params.turn_id, params.worker_id,
+         params.lease_resource, params.fencing_token, attempt_n, params.max_attempts,
+         tx.now),
+    ).fetchone()  # fmt: skip
+    if inserted is None:
         active = _active_of_unit(tx, params.unit_type, params.unit_id)
         raise AlreadyActive(
             f"{unit_key} is already active",
             {"dispatch": None if active is None else asdict(active)},
-        ) from None
-    dispatch_id = cursor.lastrowid
-    assert dispatch_id is not None
+        )
+    (dispatch_id,) = inserted
     audit.record(
         tx, "dispatch", "dispatch-claimed",
         {"dispatch_id": dispatch_id, "unit_key": unit_key, "worker_id": params.worker_id,

@@ -32,7 +32,17 @@ from msgspec.structs import asdict
 from towerd.daemon.processes import Holder, is_alive
 from towerd.daemon.store import leases, quota
 from towerd.daemon.store.idempotency import log_operator_action, payload_hash
-from towerd.daemon.store.tx import Caller, Refused, Tx, fitted, note, pack, unpack
+from towerd.daemon.store.tx import (
+    Caller,
+    Refused,
+    Tx,
+    fitted,
+    holder_at,
+    note,
+    own_box,
+    pack,
+    unpack,
+)
 from towerd.protocol import naming
 from towerd.protocol.changes import EffectGone
 from towerd.protocol.errors import (
@@ -85,12 +95,14 @@ class _Effect:
 
 
 def _load(tx: Tx, key: str) -> _Effect | None:
-    row = tx.conn.execute(f"SELECT {_COLUMNS} FROM effects WHERE effect_key = ?", (key,)).fetchone()
+    row = tx.conn.execute(
+        f"SELECT {_COLUMNS}, daemon_id FROM effects WHERE effect_key = ?", (key,)
+    ).fetchone()
     if row is None:
         return None
     (key, run, step, attempt, kind, target, status, digest, receipt, claimed, beat, completed,
      timeout, resource, token, pid, principal, start, git, attempts, probed_at, next_at,
-     verdict, evidence) = row  # fmt: skip
+     verdict, evidence, box) = row  # fmt: skip
     record = EffectRecord(
         effect_key=key,
         run_id=run,
@@ -113,8 +125,7 @@ def _load(tx: Tx, key: str) -> _Effect | None:
         if verdict is None
         else ProbeState(verdict, attempts, probed_at, next_at, unpack(evidence)),
     )
-    holder = None if pid is None or start is None else Holder(pid, start)
-    return _Effect(record, principal, holder, digest)
+    return _Effect(record, principal, holder_at(tx, pid, start, box), digest)
 
 
 def _require(tx: Tx, key: str) -> _Effect:
@@ -419,11 +430,13 @@ def list_run(tx: Tx, caller: Caller, params: EffectListParams) -> EffectListResu
 
 
 def holders(tx: Tx) -> list[Holder]:
+    box, args = own_box(tx)
     return [
         Holder(pid, start)
         for pid, start in tx.conn.execute(
-            """SELECT DISTINCT holder_pid, holder_start FROM effects
-               WHERE status = 'in_flight' AND holder_pid IS NOT NULL"""
+            f"""SELECT DISTINCT holder_pid, holder_start FROM effects
+               WHERE status = 'in_flight' AND holder_pid IS NOT NULL{box}""",
+            args,
         )
     ]
 
@@ -433,9 +446,11 @@ def park_stale(tx: Tx, dead: Iterable[Holder] = ()) -> list[str]:
     process died become ``uncertain``; local kinds stay, for a new attempt to take."""
     dead_set = set(dead)
     parked = []
+    box, args = own_box(tx)
     rows = tx.conn.execute(
-        """SELECT effect_key, action_kind, holder_pid, holder_start, heartbeat_at, timeout_ms
-           FROM effects WHERE status = 'in_flight'"""
+        f"""SELECT effect_key, action_kind, holder_pid, holder_start, heartbeat_at, timeout_ms
+           FROM effects WHERE status = 'in_flight'{box}""",
+        args,
     ).fetchall()
     for key, kind, pid, start, beat, timeout in rows:
         silent = beat + timeout <= tx.now

@@ -14,16 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 from towerd.daemon.store import fleet, quota
-from towerd.daemon.store.tx import Caller, Tx, fitted, note, pack, take_page, unpack
+from towerd.daemon.store.tx import Caller, Tx, fitted, note, pack, take_page, unpack, where
 from towerd.protocol.errors import BadArgs
 from towerd.protocol.fields import attention
 from towerd.protocol.methods import (
-    Empty,
     EventListParams,
     EventListResult,
     EventRecordParams,
     EventRecordResult,
     RestorePlanEntry,
+    RestorePlanParams,
     RestorePlanResult,
     SessionActivity,
     SessionActivityParams,
@@ -76,10 +76,9 @@ def record(tx: Tx, caller: Caller, params: EventRecordParams) -> EventRecordResu
     event_id = tx.conn.execute(
         """INSERT INTO events (session_id, agent_session_id, kind, at, payload, daemon_id,
                principal)
-           VALUES (?, ?, ?, ?, ?, ?, ?)""",
+           VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING event_id""",
         (session_id, agent_session_id, kind, tx.now, packed, tx.daemon_id, principal),
-    ).lastrowid
-    assert event_id is not None
+    ).fetchone()[0]
     note(tx, "events", TrailEvent(event_id, session_id, agent_session_id, kind, tx.now, payload))
     if session_id is not None and kind in _EXITED_BY_KIND:
         fleet.set_exited(tx, session_id, _EXITED_BY_KIND[kind])
@@ -171,19 +170,26 @@ def _latest(tx: Tx, session_id: str, agent_session_id: str | None) -> tuple[Any,
 
 
 def activity(tx: Tx, caller: Caller, params: SessionActivityParams) -> SessionActivityResult:
-    """Each session's last activity and attention, cut to fit a frame."""
-    return fitted(activity_of(tx, params.session_ids), tx.config.page_bytes)
+    """Each session's last activity and attention, among the rows shown (fleet.shown_box),
+    cut to fit a frame."""
+    box = fleet.shown_box(tx, params.daemon_id)
+    return fitted(activity_of(tx, params.session_ids, box), tx.config.page_bytes)
 
 
-def activity_of(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:
+def activity_of(
+    tx: Tx, session_ids: list[str] | None, daemon_id: str | None
+) -> SessionActivityResult:
+    """The activity of ``daemon_id``'s sessions (None: every box's), those of
+    ``session_ids`` only when given, in stored order."""
+    clause, args = where(daemon_id=daemon_id)
     rows = tx.conn.execute(
-        "SELECT session_id, agent_session_id, exited, live FROM sessions WHERE daemon_id = ? "
+        f"SELECT session_id, agent_session_id, exited, live, daemon_id FROM sessions {clause} "
         "ORDER BY rowid",
-        (tx.daemon_id,),
+        args,
     ).fetchall()
     wanted = None if session_ids is None else set(session_ids)
     sessions = []
-    for session_id, agent_session_id, exited, live in rows:
+    for session_id, agent_session_id, exited, live, box in rows:
         if wanted is not None and session_id not in wanted:
             continue
         newest, kind = _latest(tx, session_id, agent_session_id)
@@ -193,22 +199,25 @@ def activity_of(tx: Tx, session_ids: list[str] | None) -> SessionActivityResult:
                 newest,
                 kind,
                 attention(bool(exited), kind),
+                box,
                 None if live is None else bool(live),
             )  # fmt: skip
         )
     return SessionActivityResult(sessions=sessions)
 
 
-def restore_plan(tx: Tx, caller: Caller, params: Empty) -> RestorePlanResult:
+def restore_plan(tx: Tx, caller: Caller, params: RestorePlanParams) -> RestorePlanResult:
     """``fleet.restore_plan``: see :func:`plan`, cut to fit a frame."""
-    return fitted(plan(tx), tx.config.page_bytes)
+    return fitted(plan(tx, params.daemon_id), tx.config.page_bytes)
 
 
-def plan(tx: Tx) -> RestorePlanResult:
-    """This daemon's sessions that have not exited, newest activity first, each top-level
-    session followed by its own sub-sessions (newest first), so a wrapper restoring in
-    order always brings a parent back before its children."""
-    rows = [row for row in fleet.list_all(tx) if not row.exited]
+def plan(tx: Tx, daemon_id: str | None = None) -> RestorePlanResult:
+    """The sessions shown (fleet.shown_box: ``daemon_id``'s, else by default this daemon's
+    on the embedded store, every box's on a shared one) that have not exited, newest
+    activity first, each top-level session followed by its own sub-sessions (newest
+    first), so a wrapper restoring in order always brings a parent back before its
+    children. A parent is always of its child's box (fleet rows link within one fleet)."""
+    rows = [row for row in fleet.list_shown(tx, daemon_id) if not row.exited]
     present = {row.session_id for row in rows}
 
     def recency(row: Any) -> int:
@@ -221,6 +230,7 @@ def plan(tx: Tx) -> RestorePlanResult:
     entries = {
         row.session_id: RestorePlanEntry(
             session_id=row.session_id,
+            daemon_id=row.daemon_id,
             parent=row.parent if row.parent in present else None,
             agent=row.agent,
             agent_session_id=row.agent_session_id,

@@ -17,13 +17,14 @@ from towerd.daemon.store import quota
 from towerd.daemon.store.idempotency import log_operator_action, once_under_key
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
-from towerd.daemon.store.tx import Caller, Tx, note, take_page
+from towerd.daemon.store.tx import Caller, Tx, note, own_box, take_page, where
 from towerd.protocol.changes import FleetAdopted, FleetRemoved, FleetUpserted, IdemChanged
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch
 from towerd.protocol.methods import (
     SESSION_FIELDS,
     FleetAdoptParams,
     FleetAdoptResult,
+    FleetGetParams,
     FleetListParams,
     FleetListResult,
     FleetWriteParams,
@@ -100,6 +101,17 @@ def require_writable(tx: Tx, session_ids: Iterable[str]) -> None:
 # --- reads -------------------------------------------------------------------------
 
 
+def shown_box(tx: Tx, daemon_id: str | None) -> str | None:
+    """The box a fleet read (``fleet.list``, ``fleet.get``, ``session.activity``,
+    ``fleet.restore_plan``) shows the rows of, or None for every box's. A given
+    ``daemon_id`` is that box; by default the embedded store (one box) shows this
+    daemon's own rows (docs/protocol.md §8), a store several boxes share every box's.
+    Reads only: writes stay the owner's (``require_writable``)."""
+    if daemon_id is None:
+        return tx.daemon_id if tx.one_box else None
+    return daemon_id
+
+
 def get_session(tx: Tx, session_id: str) -> SessionRow:
     """One of this daemon's rows (another daemon's rows are not visible here)."""
     values = tx.conn.execute(
@@ -110,18 +122,30 @@ def get_session(tx: Tx, session_id: str) -> SessionRow:
     return row_from_sql(values)
 
 
-def get(tx: Tx, caller: Caller, params: SessionIdParams) -> SessionRow:
-    return get_session(tx, params.session_id)
+def get(tx: Tx, caller: Caller, params: FleetGetParams) -> SessionRow:
+    """``fleet.get``: the row, among the rows shown (see :func:`shown_box`)."""
+    session_id, box = params.session_id, shown_box(tx, params.daemon_id)
+    clause, args = where(("session_id = ?", session_id), daemon_id=box)
+    values = tx.conn.execute(f"{_SELECT_ROW} {clause}", args).fetchone()
+    if values is None:
+        if box is None:
+            raise no_such_session(session_id, "any box's fleet")
+        if box != tx.daemon_id:
+            raise no_such_session(session_id, f"daemon {box}'s fleet")
+        raise no_such_session(session_id)
+    return row_from_sql(values)
 
 
 def list_sessions(tx: Tx, caller: Caller, params: FleetListParams) -> FleetListResult:
-    """This daemon's rows in stored order, one page at a time (cursor = last rowid seen);
-    a page holds at most ``limit`` rows and about half a frame of encoded bytes."""
+    """The rows shown (see :func:`shown_box`) in stored order, one page at a
+    time (cursor = last rowid seen); a page holds at most ``limit`` rows and about half
+    a frame of encoded bytes."""
     limit, cursor, byte_budget = params.limit, params.cursor, tx.config.page_bytes
+    clause, args = where(("rowid > ?", cursor or 0), daemon_id=shown_box(tx, params.daemon_id))
     rows = tx.conn.execute(
         f"""SELECT rowid, {", ".join(ROW_COLUMNS)} FROM sessions
-            WHERE daemon_id = ? AND rowid > ? ORDER BY rowid LIMIT ?""",
-        (tx.daemon_id, cursor or 0, limit + 1),
+            {clause} ORDER BY rowid LIMIT ?""",
+        (*args, limit + 1),
     ).fetchall()
     sessions, next_cursor = take_page(
         [(row[0], row_from_sql(row[1:])) for row in rows], limit, byte_budget
@@ -130,12 +154,19 @@ def list_sessions(tx: Tx, caller: Caller, params: FleetListParams) -> FleetListR
 
 
 def list_all(tx: Tx) -> list[SessionRow]:
-    """Every one of this daemon's rows, in stored order (restore plan, watch snapshot)."""
+    """Every one of this daemon's rows, in stored order (the watch snapshot)."""
+    return _rows_where(tx, *where(daemon_id=tx.daemon_id))
+
+
+def list_shown(tx: Tx, daemon_id: str | None) -> list[SessionRow]:
+    """Every row shown (see :func:`shown_box`), in stored order (the restore plan)."""
+    return _rows_where(tx, *where(daemon_id=shown_box(tx, daemon_id)))
+
+
+def _rows_where(tx: Tx, clause: str, args: list[Any]) -> list[SessionRow]:
     return [
         row_from_sql(values)
-        for values in tx.conn.execute(
-            f"{_SELECT_ROW} WHERE daemon_id = ? ORDER BY rowid", (tx.daemon_id,)
-        )
+        for values in tx.conn.execute(f"{_SELECT_ROW} {clause} ORDER BY rowid", args)
     ]
 
 
@@ -148,8 +179,8 @@ def count_sessions(tx: Tx) -> int:
 # --- single-row writes ---------------------------------------------------------------
 
 
-def no_such_session(session_id: str) -> NotFound:
-    return NotFound(f"no session {session_id} in this daemon's fleet", {"session_id": session_id})
+def no_such_session(session_id: str, where: str = "this daemon's fleet") -> NotFound:
+    return NotFound(f"no session {session_id} in {where}", {"session_id": session_id})
 
 
 def own_row(tx: Tx, session_id: str) -> tuple[str | None, str | None] | None:
@@ -323,7 +354,7 @@ def bind_agent(tx: Tx, session_id: str, holder: Holder, *, naming: bool) -> None
         return
     tx.conn.execute(
         """UPDATE sessions SET agent_pid = ?, agent_start = ?, live = 1,
-               agent_named_at = CASE WHEN ? OR agent_named_at IS NULL OR ? THEN ?
+               agent_named_at = CASE WHEN ? = 1 OR agent_named_at IS NULL OR ? = 1 THEN ?
                                      ELSE agent_named_at END
            WHERE session_id = ?""",
         (holder.pid, holder.start, naming, changed, tx.now, session_id),
@@ -347,10 +378,11 @@ def session_of_agent(tx: Tx, holder: Holder, *, live_only: bool = False) -> str 
 
 def agent_holders(tx: Tx) -> list[Holder]:
     """The agent processes of sessions shown live."""
+    box, args = own_box(tx)
     return [
         Holder(pid, start)
         for pid, start in tx.conn.execute(
-            "SELECT DISTINCT agent_pid, agent_start FROM sessions WHERE live = 1"
+            f"SELECT DISTINCT agent_pid, agent_start FROM sessions WHERE live = 1{box}", args
         )
     ]
 
@@ -359,13 +391,15 @@ def agents_gone(tx: Tx, dead: Iterable[Holder]) -> list[str]:
     """Sessions whose agent process died are no longer live (not exited: a session that
     did not end is what a restore brings back)."""
     gone: list[str] = []
+    box, args = own_box(tx)
     for holder in dead:
         gone += [
             row[0]
             for row in tx.conn.execute(
-                """UPDATE sessions SET live = 0
-                   WHERE agent_pid = ? AND agent_start = ? AND live = 1 RETURNING session_id""",
-                (holder.pid, holder.start),
+                f"""UPDATE sessions SET live = 0
+                   WHERE agent_pid = ? AND agent_start = ? AND live = 1{box}
+                   RETURNING session_id""",
+                (holder.pid, holder.start, *args),
             ).fetchall()
         ]
     for session_id in gone:

@@ -22,6 +22,7 @@ from towerd.daemon.store import quota
 from towerd.daemon.store.tx import (
     Caller,
     Tx,
+    holder_at,
     note,
     pack,
     pack_canonical,
@@ -504,6 +505,20 @@ def mark_holders_dead(tx: Tx, holders: Iterable[Holder]) -> list[tuple[int, str,
     return moved
 
 
+def mark_box_unknown(tx: Tx) -> list[tuple[int, str, str, str, str]]:
+    """Every in-progress key of the box ``tx.daemon_id`` (a dead box: whoever held them,
+    held them across a daemon that is gone) becomes ``outcome_unknown``; as above."""
+    moved = tx.conn.execute(
+        """UPDATE idempotency SET state = 'outcome_unknown', updated_at = ?
+           WHERE state = 'in_progress' AND daemon_id = ?
+           RETURNING rowid, principal, operation, key, effect_ref""",
+        (tx.now, tx.daemon_id),
+    ).fetchall()
+    for _rowid, principal, operation, key, effect_ref in moved:
+        note(tx, "idem", IdemChanged(principal, operation, key, OUTCOME_UNKNOWN, effect_ref))
+    return moved
+
+
 def expire_completed(tx: Tx, ttl_ms: int) -> int:
     """Forget completed keys older than the TTL; unsettled keys never expire."""
     expired = tx.conn.execute(
@@ -536,15 +551,15 @@ def keys_to_probe(tx: Tx, due_only: bool) -> list[KeyToProbe]:
     knows the outcome and may still complete it); ``due_only``: whose next probe is due."""
     rows = tx.conn.execute(
         """SELECT rowid, principal, operation, key, effect_ref, probe, probe_cwd, holder_pid,
-                  holder_start FROM idempotency
+                  holder_start, daemon_id FROM idempotency
            WHERE state = 'outcome_unknown' AND probe IS NOT NULL
            AND (? = 0 OR probe_next_at IS NULL OR probe_next_at <= ?) ORDER BY rowid""",
         (int(due_only), tx.now),
     ).fetchall()
     return [
         KeyToProbe(rowid, principal, operation, key, ref, probe, cwd)
-        for rowid, principal, operation, key, ref, probe, cwd, pid, start in rows
-        if pid is None or start is None or not is_alive(Holder(pid, start))
+        for rowid, principal, operation, key, ref, probe, cwd, pid, start, box in rows
+        if (holder := holder_at(tx, pid, start, box)) is None or not is_alive(holder)
     ]
 
 
@@ -558,16 +573,18 @@ def record_key_probe(
     log with the evidence."""
     ident = {"principal": probed.principal, "operation": probed.operation, "key": probed.key}
     row = tx.conn.execute(
-        "SELECT state, effect_ref, holder_pid, holder_start, probe_attempts FROM idempotency "
+        "SELECT state, effect_ref, holder_pid, holder_start, probe_attempts, daemon_id "
+        "FROM idempotency "
         "WHERE rowid = ? AND principal = ? AND operation = ? AND key = ?",
         (probed.rowid, probed.principal, probed.operation, probed.key),
     ).fetchone()
     if row is None:
         return ProbeOutcome("not_unsettled", "gone", **ident)
-    state, effect_ref, pid, start, attempts = row
+    state, effect_ref, pid, start, attempts, box = row
     if state != OUTCOME_UNKNOWN or effect_ref != probed.effect_ref:
         return ProbeOutcome("not_unsettled", state, **ident)
-    if pid is not None and start is not None and is_alive(Holder(pid, start)):
+    holder = holder_at(tx, pid, start, box)
+    if holder is not None and is_alive(holder):
         return ProbeOutcome("holder_alive", state, **ident)
     attempts += 1
     next_at = None if verdict != "unknown" else tx.now + _key_probe_delay(attempts, base_ms)

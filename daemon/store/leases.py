@@ -23,7 +23,7 @@ from msgspec.structs import asdict
 
 from towerd.daemon.processes import Holder, is_alive
 from towerd.daemon.store import audit, quota
-from towerd.daemon.store.tx import Caller, Tx, fitted
+from towerd.daemon.store.tx import Caller, Tx, fitted, holder_at, own_box
 from towerd.protocol.errors import LeaseExpired, LeaseHeld, LeaseNotFound, LeaseSuperseded
 from towerd.protocol.methods import (
     Empty,
@@ -81,12 +81,12 @@ def describe_holder(principal: str, holder: Holder | None) -> str:
 
 def load(tx: Tx, resource: str) -> Lease | None:
     row = tx.conn.execute(
-        f"SELECT {_COLUMNS} FROM leases WHERE resource = ?", (resource,)
+        f"SELECT {_COLUMNS}, daemon_id FROM leases WHERE resource = ?", (resource,)
     ).fetchone()
     if row is None:
         return None
-    resource, token, principal, pid, start, acquired, renewed, expires, session_id = row
-    holder = None if pid is None or start is None else Holder(pid, start)
+    resource, token, principal, pid, start, acquired, renewed, expires, session_id, box = row
+    holder = holder_at(tx, pid, start, box)
     return Lease(resource, token, principal, holder, acquired, renewed, expires, session_id)
 
 
@@ -388,10 +388,13 @@ def list_live(tx: Tx) -> list[LeaseRecord]:
 
 
 def holders(tx: Tx) -> list[Holder]:
+    box, args = own_box(tx)
     return [
         Holder(pid, start)
         for pid, start in tx.conn.execute(
-            "SELECT DISTINCT holder_pid, holder_start FROM leases WHERE holder_pid IS NOT NULL"
+            f"SELECT DISTINCT holder_pid, holder_start FROM leases WHERE holder_pid IS NOT NULL"
+            f"{box}",
+            args,
         )
     ]
 
@@ -406,10 +409,11 @@ def release_dead_holders(tx: Tx, dead: Iterable[Holder]) -> list[str]:
 
 def release_held_by(tx: Tx, holder: Holder, reason: str, caused_by: str | None = None) -> list[str]:
     """Release every lease ``holder`` has (it died, or its worker was reaped)."""
+    box, args = own_box(tx)
     rows = tx.conn.execute(
-        "DELETE FROM leases WHERE holder_pid = ? AND holder_start = ? "
+        f"DELETE FROM leases WHERE holder_pid = ? AND holder_start = ?{box} "
         "RETURNING resource, fencing_token, principal",
-        (holder.pid, holder.start),
+        (holder.pid, holder.start, *args),
     ).fetchall()
     for resource, token, principal in rows:
         _audit(
@@ -417,6 +421,22 @@ def release_held_by(tx: Tx, holder: Holder, reason: str, caused_by: str | None =
             actor=audit.DAEMON_ACTOR, caused_by=caused_by, reason=reason,
         )  # fmt: skip
     return [resource for resource, _token, _principal in rows]
+
+
+def release_box(tx: Tx, reason: str) -> list[str]:
+    """Release every lease the box ``tx.daemon_id`` granted (a dead box's); tokens stay used."""
+    rows = tx.conn.execute(
+        "DELETE FROM leases WHERE daemon_id = ? "
+        "RETURNING resource, fencing_token, principal, holder_pid, holder_start",
+        (tx.daemon_id,),
+    ).fetchall()
+    for resource, token, principal, pid, start in rows:
+        holder = None if pid is None or start is None else Holder(pid, start)
+        _audit(
+            tx, "lease-released", resource, token, principal, holder,
+            actor=audit.DAEMON_ACTOR, reason=reason,
+        )  # fmt: skip
+    return [row[0] for row in rows]
 
 
 # --- retention ----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import dispatches, effects, fleet, idempotency, leases, workers
 from towerd.daemon.store.reconcile import settle_dead_holders
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import Tx, own_box
 from towerd.protocol.methods import DEFAULT_WORKER_TTL_MS
 
 
@@ -37,10 +37,11 @@ def to_check(tx: Tx, worker_ttl_ms: int = DEFAULT_WORKER_TTL_MS) -> tuple[list[H
         *workers.open_holders(tx),
         *fleet.agent_holders(tx),
     }
+    box, args = own_box(tx)
     silent = tx.conn.execute(
-        """SELECT 1 FROM effects WHERE status = 'in_flight' AND heartbeat_at + timeout_ms <= ?
-           AND action_kind NOT IN ('git-branch', 'git-commit') LIMIT 1""",
-        (tx.now,),
+        f"""SELECT 1 FROM effects WHERE status = 'in_flight' AND heartbeat_at + timeout_ms <= ?
+           AND action_kind NOT IN ('git-branch', 'git-commit'){box} LIMIT 1""",
+        (tx.now, *args),
     ).fetchone()
     silent_worker = workers.any_silent(tx, worker_ttl_ms)
     return sorted(holders, key=lambda h: (h.pid, h.start)), silent is not None or silent_worker

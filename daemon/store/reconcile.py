@@ -30,7 +30,7 @@ from towerd.daemon.store.idempotency import (
     expire_completed,
     mark_holders_dead,
 )
-from towerd.daemon.store.tx import Tx, note, pack
+from towerd.daemon.store.tx import Tx, note, own_box, pack
 from towerd.protocol.changes import IdemChanged
 from towerd.protocol.methods import ReconcileReport
 
@@ -137,6 +137,7 @@ def start_daemon(
     now: int,
     completed_ttl_ms: int,
     clock_anchor: Anchor | None = None,
+    one_box: bool = True,
 ) -> tuple[Tx, ReconcileReport]:
     """The start-up transaction. Returns the daemon's write context and what it did."""
     conn.execute("BEGIN IMMEDIATE")
@@ -147,12 +148,12 @@ def start_daemon(
         epoch = conn.execute(
             """INSERT INTO daemons (daemon_id, owner_epoch, pid, host, started_at)
                VALUES (?, 1, ?, ?, ?)
-               ON CONFLICT (daemon_id) DO UPDATE SET owner_epoch = owner_epoch + 1,
+               ON CONFLICT (daemon_id) DO UPDATE SET owner_epoch = daemons.owner_epoch + 1,
                    pid = excluded.pid, host = excluded.host, started_at = excluded.started_at
                RETURNING owner_epoch""",
             (daemon_id, pid, host, now),
         ).fetchone()[0]
-        tx = Tx(conn=conn, daemon_id=daemon_id, owner_epoch=epoch, now=now)
+        tx = Tx(conn=conn, daemon_id=daemon_id, owner_epoch=epoch, now=now, one_box=one_box)
         report = ReconcileReport(at=now, owner_epoch=epoch)
         report.rows_taken = conn.execute(
             "UPDATE sessions SET owner_epoch = ? WHERE daemon_id = ?", (epoch, daemon_id)
@@ -178,13 +179,14 @@ def restart_silence_clocks(tx: Tx) -> None:
     """Nobody can heartbeat a daemon that is not running: the silence deadlines of
     workers and in-flight effects start again at start-up. Dead processes are still
     found by the liveness sweep within a second."""
+    box, args = own_box(tx)
     tx.conn.execute(
-        "UPDATE workers SET heartbeat_at = ? WHERE ended_at IS NULL AND heartbeat_at < ?",
-        (tx.now, tx.now),
+        f"UPDATE workers SET heartbeat_at = ? WHERE ended_at IS NULL AND heartbeat_at < ?{box}",
+        (tx.now, tx.now, *args),
     )
     tx.conn.execute(
-        "UPDATE effects SET heartbeat_at = ? WHERE status = 'in_flight' AND heartbeat_at < ?",
-        (tx.now, tx.now),
+        f"UPDATE effects SET heartbeat_at = ? WHERE status = 'in_flight' AND heartbeat_at < ?{box}",
+        (tx.now, tx.now, *args),
     )
 
 
@@ -219,7 +221,12 @@ def settle(tx: Tx, keys: list[tuple[int, str, str]]) -> set[int]:
         if probe is None and effect_ref.startswith("eff_"):
             probe = effects.committed_evidence  # the key fronted an external effect
         result = None if probe is None else probe(tx, effect_ref)
-        if result is None and operation == "session.spawn" and _SESSION_ID.match(effect_ref):
+        if (
+            result is None
+            and not tx.as_dead_box  # that box's processes are not this machine's
+            and operation == "session.spawn"
+            and _SESSION_ID.match(effect_ref)
+        ):
             # No fleet row yet: a live agent process carrying the session's id is evidence
             # the spawn happened (its claimant, if it lives, is not that evidence).
             if processes is None:

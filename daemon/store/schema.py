@@ -28,7 +28,7 @@ from towerd.daemon.private_paths import StartRefused
 log = structlog.get_logger("towerd.store")
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 
 # The tables whose rows a principal can create without bound, each counted per principal
@@ -378,6 +378,17 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE idempotency ADD COLUMN probe_at INTEGER",
             "ALTER TABLE idempotency ADD COLUMN probe_next_at INTEGER",
             "ALTER TABLE idempotency ADD COLUMN probe_verdict TEXT",
+        ),
+    ),
+    Migration(
+        9,
+        "boxes: a daemon's last presence and when it was declared dead (shared stores)",
+        (
+            # On a store several boxes share (PostgreSQL), each daemon heartbeats its row;
+            # one silent past the presence TTL is declared dead by a live one. The embedded
+            # store has one box, so these only say when it last served.
+            "ALTER TABLE daemons ADD COLUMN presence_at INTEGER NOT NULL DEFAULT 0",
+            "ALTER TABLE daemons ADD COLUMN dead_at INTEGER",
         ),
     ),
 )

@@ -31,7 +31,7 @@ def _fit(items: list[Any], budget: int) -> tuple[list[Any], bool]:
 
 def _fleet(tx: Tx, budget: int) -> dict[str, Any]:
     sessions, cut = _fit(fleet.list_all(tx), budget * 3 // 4)
-    activity = events.activity_of(tx, [row.session_id for row in sessions]).sessions
+    activity = events.activity_of(tx, [row.session_id for row in sessions], tx.daemon_id).sessions
     return {"sessions": sessions, "activity": activity, "truncated": cut}
 
 

@@ -46,6 +46,7 @@ from towerd.daemon.store.tx import (
     Refused,
     Tx,
     now_ms,
+    translate_pg_error,
     translate_sqlite_error,
     use_clock,
 )
@@ -98,7 +99,16 @@ class _Job:
 
 
 class Store:
-    """Where handlers send reads and writes. Obtain one with :func:`open_store`."""
+    """Where handlers send reads and writes. Obtain one with :func:`open_store`.
+
+    This class runs the embedded SQLite store; daemon/store/pg_store.py's subclass runs
+    the same store functions on PostgreSQL, replacing only what differs (the clock a
+    batch reads, the connections, what a lost store is)."""
+
+    DB_ERRORS: tuple[type[BaseException], ...] = (sqlite3.Error,)
+    backend = "sqlite"
+    inline_reads = True  # read_now runs on the event loop (a SQLite point read: microseconds)
+    one_box = True  # every holder runs on this machine (see tx.own_box)
 
     def __init__(
         self,
@@ -122,7 +132,7 @@ class Store:
         self._closing = False
         self._superseded = False  # set on the database thread, published after the hop
         self._upkeep_limiter = anyio.CapacityLimiter(1)
-        self._inline = _open_inline_reader(db_path)
+        self._inline = self._open_inline()
         # Called on the loop with each committed batch's change notes (the watch hub).
         self.on_changes: Callable[[list[tuple[str, Any]]], None] | None = None
         self._changes: list[tuple[str, Any]] = []
@@ -130,9 +140,20 @@ class Store:
         self._at_rest: list[Callable[[], None]] = []
         # The files as opened: a database deleted or replaced under the daemon is
         # noticed after each commit and by check_files(), and nothing more is answered.
-        self._files = DatabaseFiles(db_path)
+        self._files = self._watch_files()
         self.lost = anyio.Event()
         self.lost_reason: str | None = None
+
+    def _open_inline(self) -> Any:
+        return _open_inline_reader(self.db_path)
+
+    def _watch_files(self) -> DatabaseFiles:
+        return DatabaseFiles(self.db_path)
+
+    @property
+    def location(self) -> str:
+        """Where the store lives, as ``status`` shows it."""
+        return str(self.db_path)
 
     # --- the API handlers use ------------------------------------------------------
 
@@ -174,11 +195,12 @@ class Store:
             conn.execute("BEGIN")
             try:
                 return fn(
-                    Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), config=self.config), *args
-                )
+                    Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), config=self.config,
+                       one_box=self.one_box), *args,
+                )  # fmt: skip
             finally:
                 conn.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except self.DB_ERRORS as exc:
             raise _as_wire_error(exc) from exc
 
     def at_rest(self, callback: Callable[[], None]) -> None:
@@ -196,14 +218,15 @@ class Store:
 
         def run(conn: sqlite3.Connection) -> T:
             return fn(
-                Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), config=self.config), *args
-            )
+                Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), config=self.config,
+                   one_box=self.one_box), *args,
+            )  # fmt: skip
 
         if self.lost_reason is not None:
             raise self._lost_error()
         try:
             return await self._reader.run(run)
-        except sqlite3.Error as exc:
+        except self.DB_ERRORS as exc:
             raise _as_wire_error(exc) from exc
 
     async def on_own_connection(self, fn: Callable[..., T], *args: Any) -> T:
@@ -268,10 +291,11 @@ class Store:
         transaction is rolled back and the batch runs again with a savepoint per job.
         A savepoint per job costs ~20% of the batch's SQLite time (bench/writes.py,
         the two floors)."""
-        tx = Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), changes=[], config=self.config)
         try:
             if not self._begin(conn, jobs):
                 return
+            tx = Tx(conn, self.daemon_id, self.owner_epoch, self._batch_now(conn), changes=[],
+                    config=self.config, one_box=self.one_box)  # fmt: skip
             outcome = self._run_jobs(conn, tx, jobs, savepoints=False)
             if outcome == _REDO:
                 conn.execute("ROLLBACK")
@@ -290,10 +314,21 @@ class Store:
                 _fail_all(jobs, self._lost_error())
                 return
             self._changes = tx.changes or []
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
+        except self.DB_ERRORS as exc:
+            if conn.in_transaction and not self._broken(conn):
                 conn.execute("ROLLBACK")
-            _fail_all(jobs, exc)
+            _fail_all(jobs, self._uncommitted(exc))
+
+    def _batch_now(self, conn: Any) -> int:
+        """The clock reading of a batch (after BEGIN): towerd's own clock on SQLite."""
+        return now_ms()
+
+    def _broken(self, conn: Any) -> bool:
+        return False
+
+    def _uncommitted(self, exc: BaseException) -> BaseException:
+        """What a batch's callers are told when its transaction failed."""
+        return exc
 
     def _begin(self, conn: sqlite3.Connection, jobs: list[_Job]) -> bool:
         """BEGIN IMMEDIATE, then check this daemon still owns the store (else fail all)."""
@@ -333,8 +368,10 @@ class Store:
                     return _ABANDONED
                 if savepoints:
                     conn.execute("ROLLBACK TO request")
-                elif conn.total_changes != changed_before:
-                    return _REDO  # its partial writes can only be undone with savepoints
+                elif conn.total_changes != changed_before or getattr(conn, "failed", False):
+                    # Its partial writes can only be undone with savepoints; so can an
+                    # error PostgreSQL aborted the whole transaction for (``failed``).
+                    return _REDO
             if savepoints:
                 conn.execute("RELEASE request")
         return _DONE
@@ -384,6 +421,10 @@ def _as_wire_error(exc: BaseException) -> BaseException:
     """SQLite errors become the wire error they mean; anything else passes as is."""
     if isinstance(exc, sqlite3.Error):
         translated = translate_sqlite_error(exc)
+        if translated is not None:
+            return translated
+    elif hasattr(exc, "sqlstate"):  # psycopg's errors (the PostgreSQL backend)
+        translated = translate_pg_error(exc)
         if translated is not None:
             return translated
     return exc
@@ -531,8 +572,15 @@ async def open_store(config: StoreConfig) -> AsyncIterator[Store]:
 
     Raises ``StartRefused`` for a database that must not be touched, a state dir whose
     store was lost (daemon/store/identity.py), or a full disk. On exit, pending writes
-    are committed and the connections closed.
+    are committed and the connections closed. A PostgreSQL DSN in ``config.store``
+    opens the same store on PostgreSQL (daemon/store/pg_store.py).
     """
+    if config.store is not None:
+        from towerd.daemon.store.pg_store import open_pg_store  # psycopg: only when used
+
+        async with open_pg_store(config) as pg_store:
+            yield pg_store
+        return
     state_dir = ensure_private_dir(config.state_dir, "state dir")
     db_path = state_dir / DB_FILE
     check_private(db_path, "state database", want_dir=False)

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from towerd.daemon.clock import DaemonClock
-from towerd.daemon.processes import Holder
+from towerd.daemon.processes import Holder, RemoteHolder
 from towerd.daemon.store.config import DEFAULT_CONFIG, StoreConfig
-from towerd.protocol.errors import Conflict, Internal, StorageFull, TowerdError
+from towerd.protocol.errors import Conflict, Internal, StorageFull, TowerdError, Unavailable
 from towerd.protocol.framing import DEFAULT_MAX_FRAME
 
 _packer = msgspec.msgpack.Encoder()
@@ -38,6 +38,12 @@ class Tx:
     now: int
     changes: list[tuple[str, Any]] | None = None
     config: StoreConfig = DEFAULT_CONFIG
+    # Every holder process in the store runs on this machine (the embedded store); False
+    # on a store several boxes share, where this daemon checks its own box's pids only.
+    one_box: bool = True
+    # A live daemon settling what a dead box held, as that box (daemon/store/presence.py):
+    # nothing on this machine is evidence about that box's processes.
+    as_dead_box: bool = False
 
 
 @dataclass(slots=True)
@@ -58,6 +64,26 @@ class Caller:
     @property
     def actor(self) -> str:
         return f"{self.principal} pid {self.pid}"
+
+
+def own_box(tx: Tx, column: str = "daemon_id") -> tuple[str, tuple[Any, ...]]:
+    """``AND column = ?`` and its argument when the store is shared by several boxes: the
+    rows whose holder pids this daemon may check (or whose silence it may act on) are its
+    own box's; another box's holders are trusted while that box is present
+    (daemon/store/presence.py settles a dead box's rows as that box). Empty on one box."""
+    if tx.one_box:
+        return "", ()
+    return f" AND {column} = ?", (tx.daemon_id,)
+
+
+def holder_at(tx: Tx, pid: int | None, start: int | None, box: str) -> Holder | None:
+    """The holder a row names (its pid, start time and the box that granted it): this
+    box's own process, or a RemoteHolder whose liveness its box's presence vouches for."""
+    if pid is None or start is None:
+        return None
+    if tx.one_box or box == tx.daemon_id:
+        return Holder(pid, start)
+    return RemoteHolder(pid, start, box)
 
 
 def note(tx: Tx, topic: str, data: Any) -> None:
@@ -207,4 +233,33 @@ def translate_sqlite_error(exc: sqlite3.Error) -> TowerdError | None:
         return Conflict(f"the write violates a constraint of the store: {exc}")
     if isinstance(exc, sqlite3.OperationalError) and "database is locked" in str(exc):
         return Internal(f"the state database is locked by another process: {exc}")
+    return None
+
+
+STORE_UNREACHABLE = (
+    "the state store (PostgreSQL) is unreachable{why}; a write sent before the break may "
+    "or may not have been applied: retry with the same key once towerd reconnects"
+)
+
+
+def translate_pg_error(exc: BaseException) -> TowerdError | None:
+    """The wire error a PostgreSQL (psycopg) failure means to a client, or None for a bug.
+    Read from the SQLSTATE alone, so the SQLite path never imports psycopg."""
+    state = getattr(exc, "sqlstate", None) or ""
+    name = type(exc).__name__
+    if state == "53100":
+        return StorageFull("the disk holding the PostgreSQL store is full; nothing was written")
+    if state.startswith("23"):
+        return Conflict(f"the write violates a constraint of the store: {exc}")
+    unreachable = (
+        state.startswith(("08", "57P", "53"))  # connection, shutdown, resources
+        or state in ("57014", "55P03", "40001", "40P01")  # timeout, lock, retry
+        or (not state and name in ("OperationalError", "InterfaceError"))
+    )
+    if unreachable:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else name
+        return Unavailable(
+            STORE_UNREACHABLE.format(why=f" ({detail})"),
+            {"reason": "store_unreachable", "retry": "same_key"},
+        )
     return None

@@ -18,7 +18,7 @@ from msgspec.structs import asdict
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import audit
 from towerd.daemon.store.leases import describe_holder
-from towerd.daemon.store.tx import Caller, Tx, fitted, where
+from towerd.daemon.store.tx import Caller, Tx, fitted, own_box, where
 from towerd.protocol.errors import BadArgs, Conflict, NotFound
 from towerd.protocol.methods import (
     WorkerIdParams,
@@ -156,19 +156,21 @@ def list_workers(tx: Tx, caller: Caller, params: WorkerListParams) -> WorkerList
 
 def open_holders(tx: Tx) -> list[Holder]:
     """The processes of workers not yet ended: the liveness sweep checks them."""
+    box, args = own_box(tx)
     return [
         Holder(pid, start)
         for pid, start in tx.conn.execute(
-            "SELECT pid, process_start FROM workers WHERE ended_at IS NULL"
+            f"SELECT pid, process_start FROM workers WHERE ended_at IS NULL{box}", args
         )
     ]
 
 
 def any_silent(tx: Tx, ttl_ms: int) -> bool:
+    box, args = own_box(tx)
     return (
         tx.conn.execute(
-            "SELECT 1 FROM workers WHERE ended_at IS NULL AND heartbeat_at + ? <= ? LIMIT 1",
-            (ttl_ms, tx.now),
+            f"SELECT 1 FROM workers WHERE ended_at IS NULL AND heartbeat_at + ? <= ?{box} LIMIT 1",
+            (ttl_ms, tx.now, *args),
         ).fetchone()
         is not None
     )
@@ -189,8 +191,10 @@ def end_dead(tx: Tx, dead: Iterable[Holder], ttl_ms: int) -> list[Ended]:
     transaction.
     """
     gone = set(dead)
+    box, args = own_box(tx)
     rows = tx.conn.execute(
-        f"SELECT {_COLUMNS} FROM workers WHERE ended_at IS NULL ORDER BY registered_at"
+        f"SELECT {_COLUMNS} FROM workers WHERE ended_at IS NULL{box} ORDER BY registered_at",
+        args,
     ).fetchall()
     ended: list[Ended] = []
     for worker in map(_record, rows):

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     Agent = str
     GuardPolicy = str
     HookDecision = str
+    BoxState = str
 else:
     IdemState = Literal[fields.IDEM_STATES]
     ActionKind = Literal[naming.ACTION_KINDS]
@@ -40,6 +41,7 @@ else:
     Agent = Literal[fields.AGENTS]
     GuardPolicy = Literal[fields.GUARD_POLICIES]
     HookDecision = Literal[fields.HOOK_DECISIONS]
+    BoxState = Literal[fields.BOX_STATES]
 
 
 # --- shared field types ------------------------------------------------------
@@ -55,6 +57,7 @@ Operation = Annotated[str, Meta(min_length=1, max_length=128)]
 IdemKey = Annotated[str, Meta(min_length=1, max_length=255)]
 EffectRef = Annotated[str, Meta(min_length=1, max_length=255)]
 Pid = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+DaemonId = Annotated[str, Meta(min_length=1, max_length=64)]  # a box of the store
 PageLimit = Annotated[int, Meta(ge=1, le=5000)]
 Cursor = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 

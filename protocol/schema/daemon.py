@@ -1,4 +1,4 @@
-"""The handshake and the daemon's own methods: hello, ping, status, shutdown."""
+"""The handshake and the daemon's own methods: hello, ping, status, shutdown, boxes.list."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Annotated
 from msgspec import Meta, Struct
 
 from towerd.protocol.schema.base import (
+    BoxState,
     Millis,
     _require_printable,
 )
@@ -100,3 +101,25 @@ class StatusResult(Struct):
 
 class ShutdownResult(Struct):
     stopping: bool
+
+
+class BoxRecord(Struct):
+    """One box of the store: a daemon id that ever registered in it, and its state.
+
+    Its ``daemons`` row, with the state derived from its presence at the daemon's clock
+    reading (``boxes.list``, daemon/store/boxes.py)."""
+
+    daemon_id: str
+    owner_epoch: int
+    host: str
+    pid: int
+    started_at: Millis
+    presence_at: Millis  # its last heartbeat (0: none recorded, as on the embedded store)
+    dead_at: Millis | None  # when a live box declared it dead (None: not declared)
+    state: BoxState  # present, lapsed (silent past the presence TTL), dead
+    self: bool  # the daemon answering (always present)
+
+
+class BoxListResult(Struct, omit_defaults=True):
+    boxes: list[BoxRecord]  # by started_at
+    truncated: bool = False  # sent (true) only when the list was cut to fit one frame

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import UNSET, Struct, UnsetType
 
 from towerd.protocol.fields import SESSION_FIELDS
 from towerd.protocol.schema.base import (
     DEFAULT_PAGE_LIMIT,
     Cursor,
+    DaemonId,
     IdemKey,
     Millis,
     PageLimit,
@@ -121,14 +122,26 @@ class SessionIdParams(Struct):
     session_id: SessionId
 
 
+class FleetGetParams(Struct):
+    """``daemon_id``: only that box's row. By default, on the embedded store, this
+    daemon's own rows; on a store several boxes share, the row whatever its box."""
+
+    session_id: SessionId
+    daemon_id: DaemonId | None = None
+
+
 class SessionRemoveResult(Struct):
     session_id: str
     removed: bool
 
 
 class FleetListParams(Struct):
+    """``daemon_id``: only that box's rows. By default, on the embedded store, this
+    daemon's own rows; on a store several boxes share, every box's rows."""
+
     limit: PageLimit = DEFAULT_PAGE_LIMIT
     cursor: Cursor | None = None
+    daemon_id: DaemonId | None = None
 
 
 class FleetListResult(Struct):
@@ -176,7 +189,7 @@ class LegacyImportResult(Struct):
 
 
 class FleetAdoptParams(Struct):
-    daemon_id: Annotated[str, Meta(min_length=1, max_length=64)]
+    daemon_id: DaemonId
 
 
 class FleetAdoptResult(Struct):

@@ -10,6 +10,7 @@ from towerd.protocol import fields
 from towerd.protocol.schema.base import (
     Attention,
     Cursor,
+    DaemonId,
     IdemKey,
     MessageStatus,
     Millis,
@@ -70,8 +71,10 @@ class EventListResult(Struct):
 
 
 class SessionActivityParams(Struct):
-    # default: all of this daemon's sessions
+    # default: every session of the boxes shown (daemon_id: that box's; else, on the
+    # embedded store, this daemon's own; on a store several boxes share, every box's)
     session_ids: Annotated[list[SessionId], Meta(max_length=MAX_SCOPE_IDS)] | None = None
+    daemon_id: DaemonId | None = None
 
 
 class SessionActivity(Struct):
@@ -79,6 +82,7 @@ class SessionActivity(Struct):
     last_activity_at: Millis | None  # newest event, heartbeats included
     last_kind: str | None  # newest event that is not a heartbeat
     attention: Attention
+    daemon_id: str  # the box whose fleet row it is
     live: bool | None = None  # its agent process runs (None: towerd knows no agent process)
 
 
@@ -141,8 +145,17 @@ class WatchResult(Struct):
     seq: int
 
 
+class RestorePlanParams(Struct):
+    """``daemon_id``: only that box's sessions. By default, on the embedded store, this
+    daemon's own; on a store several boxes share, every box's (a box restoring its own
+    sessions names itself: client/restore.py)."""
+
+    daemon_id: DaemonId | None = None
+
+
 class RestorePlanEntry(Struct):
     session_id: str
+    daemon_id: str  # the box whose fleet row it is
     parent: str | None
     agent: str
     agent_session_id: str | None

@@ -69,7 +69,15 @@ def exercise_every_method(client: Any, short_tmp: Any, uncertain: str) -> None:
     first = client.session_register(cwd="/a", agent="claude", name="one")["session_id"]
     client.session_update(first, pinned=True)
     client.fleet_get(first)
+    client.fleet_get(first, daemon_id=client.hello["daemon_id"])
     client.fleet_list(limit=1)
+    (foreign,) = client.fleet_list(daemon_id="gone-daemon")["sessions"]
+    assert foreign["daemon_id"] == "gone-daemon"
+    boxes = client.boxes_list()["boxes"]
+    assert {(box["daemon_id"], box["self"]) for box in boxes} == {
+        (client.hello["daemon_id"], True),
+        ("gone-daemon", False),
+    }
     written = str(uuid.uuid4())
     client.fleet_write([{"session_id": written, "cwd": "/w", "agent": "x"}])
     client.fleet_import_legacy([{"agentSessionID": "legacy", "cwd": "/l", "agent": "x"}, "junk"])
@@ -164,10 +172,12 @@ def exercise_every_method(client: Any, short_tmp: Any, uncertain: str) -> None:
     client.path_release(["/srv/typed"], session_id=started["session_id"])
     client.event_last_seen()
     client.session_activity([first])
+    client.session_activity(daemon_id="gone-daemon")
     message = client.session_message(first, "ship it")
     client.message_list(first)
     client.message_ack(message["message_id"])
     client.fleet_restore_plan()
+    client.fleet_restore_plan(daemon_id=client.hello["daemon_id"])
     client.backup(str(short_tmp / "typed.db"))
     client.doctor()
     client.ping()

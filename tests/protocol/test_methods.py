@@ -187,6 +187,10 @@ def decode_params(method: str, value: dict[str, Any]) -> Any:
         ("fleet.list", {"limit": "ten"}, "$.limit"),
         ("fleet.list", {"limit": 5001}, "$.limit"),
         ("fleet.get", {"session_id": "NOT-A-UUID"}, "$.session_id"),
+        ("fleet.get", {"session_id": SAMPLE_UUID, "daemon_id": ""}, "$.daemon_id"),
+        ("fleet.list", {"daemon_id": "d" * 65}, "$.daemon_id"),
+        ("session.activity", {"daemon_id": 7}, "$.daemon_id"),
+        ("fleet.restore_plan", {"daemon_id": ""}, "$.daemon_id"),
         (
             "fleet.write",
             {"sessions": [{"session_id": SAMPLE_UUID, "cwd": 1, "agent": "a"}]},
@@ -282,7 +286,7 @@ def test_update_refuses_null_for_non_nullable_fields() -> None:
 def test_unknown_params_fields_are_ignored() -> None:
     """Newer clients' extra params fields do not break older daemons."""
     params = decode_params("fleet.get", {"session_id": SAMPLE_UUID, "future_flag": True})
-    assert params == m.SessionIdParams(session_id=SAMPLE_UUID)
+    assert params == m.FleetGetParams(session_id=SAMPLE_UUID)
 
 
 def test_session_id_must_be_a_lowercase_uuid() -> None:

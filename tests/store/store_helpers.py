@@ -1,5 +1,6 @@
-"""Shared helpers for the store tests: a real
-Store on a real SQLite file in a temp dir."""
+"""Shared helpers for the store tests: a real Store in a temp dir, on the backend the
+test runs on (tests/store/conftest.py): a real SQLite file in the state dir, or a real
+PostgreSQL database of the session's private cluster (tests/pg_cluster.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, closing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +37,97 @@ def db_path(root: Path) -> Path:
     return state_dir(root) / DB_FILE
 
 
+# --- the backend: which store ``opened``, ``query`` and ``execute`` reach -------------
+
+
+@dataclass
+class Backend:
+    """The store backend of the running test, set by tests/store/conftest.py."""
+
+    name: str = "sqlite"  # or "postgresql"
+    new_database: Callable[[], str] | None = None  # postgresql: a fresh database's DSN
+    drop_database: Callable[[str], None] | None = None  # postgresql: drop one of those
+    dsns: dict[Path, str] = field(default_factory=dict)  # state dir -> its database
+
+
+_backend = Backend()
+
+
+def use_backend(backend: Backend) -> None:
+    global _backend
+    _backend = backend
+
+
+def backend() -> str:
+    """``"sqlite"`` or ``"postgresql"``: what the store of this test runs on."""
+    return _backend.name
+
+
+def store_dsn(root: Path) -> str | None:
+    """The PostgreSQL DSN of ``root``'s store, None on SQLite. One database per state
+    dir, created at its first use: every open of the same state dir in a test (a
+    restart of that daemon) reaches the same database, another state dir another one,
+    as each state dir has its own SQLite file."""
+    if _backend.new_database is None:
+        return None
+    directory = Path(os.path.abspath(state_dir(root)))
+    if directory not in _backend.dsns:
+        _backend.dsns[directory] = _backend.new_database()
+    return _backend.dsns[directory]
+
+
+def forget_store(root: Path) -> None:
+    """PostgreSQL: drop ``root``'s database now (its stores closed), not at the end of
+    the test (a test that goes through many state dirs); nothing on SQLite."""
+    directory = Path(os.path.abspath(state_dir(root)))
+    dsn = _backend.dsns.pop(directory, None)
+    if dsn is not None and _backend.drop_database is not None:
+        _backend.drop_database(dsn)
+
+
+def store_config(root: Path, **config: Any) -> StoreConfig:
+    """The StoreConfig of a daemon on ``root/state``, on this test's backend."""
+    dsn = store_dsn(root)
+    if dsn is not None:
+        config.setdefault("store", dsn)
+    return StoreConfig(state_dir(root), **config)
+
+
 @asynccontextmanager
 async def opened(root: Path, **config: Any) -> AsyncIterator[Store]:
     """open_store on ``root/state``: each use is one daemon start."""
-    async with open_store(StoreConfig(state_dir(root), **config)) as store:
+    async with open_store(store_config(root, **config)) as store:
         yield store
 
 
+def pg_sql(statement: str) -> str:
+    """A statement written for sqlite3, for psycopg: ``?`` placeholders become ``%s``
+    and a literal ``%`` is doubled. Simple on purpose: no ``?`` inside a literal."""
+    return statement.replace("%", "%%").replace("?", "%s")
+
+
 def query(root: Path, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    """Read the file directly with plain sqlite3
-    (the store must be closed or committed)."""
+    """Read the store directly: the file with plain sqlite3, or the database with
+    psycopg (the store must be closed or committed)."""
+    dsn = store_dsn(root)
+    if dsn is not None:
+        import psycopg
+
+        with psycopg.connect(dsn, autocommit=True) as pg:
+            return pg.execute(pg_sql(sql), args).fetchall()
     with closing(sqlite3.connect(db_path(root))) as conn:
         return conn.execute(sql, args).fetchall()
 
 
 def execute(root: Path, sql: str, args: tuple[Any, ...] = ()) -> None:
-    """Write the file directly with plain sqlite3, committed."""
+    """Write the store directly (plain sqlite3 or psycopg), committed."""
+    dsn = store_dsn(root)
+    if dsn is not None:
+        import psycopg
+
+        with psycopg.connect(dsn, autocommit=True) as pg:
+            pg.execute(pg_sql(sql), args)
+        return
     with closing(sqlite3.connect(db_path(root), isolation_level=None)) as conn:
         conn.execute(sql, args)
 
@@ -94,7 +171,13 @@ def _all_rows(tx: Tx) -> list[SessionRow]:
     rows: list[SessionRow] = []
     cursor = None
     while True:
-        page = fleet.list_sessions(tx, caller(), FleetListParams(limit=5000, cursor=cursor))
+        page = fleet.list_sessions(
+            tx,
+            caller(),
+            FleetListParams(
+                limit=5000, cursor=cursor, daemon_id=None if tx.one_box else tx.daemon_id
+            ),
+        )
         rows += page.sessions
         if page.next_cursor is None:
             return rows
@@ -112,7 +195,7 @@ async def parents(store: Store) -> dict[str, str | None]:
 
 
 def all_session_rows(root: Path) -> list[tuple[Any, ...]]:
-    """Every row of the sessions table (any daemon), via plain sqlite3."""
+    """Every row of the sessions table (any daemon), read directly (``query``)."""
     return query(
         root,
         "SELECT session_id, agent_session_id, parent, daemon_id, owner_epoch "

@@ -845,6 +845,7 @@ _INSERT = """INSERT INTO dispatches (unit_type, unit_id, milestone_id, trace_id,
     VALUES ('execute-task', ?, 'M001', 't', 'wrk_x', 'r', 1, ?, 1, 3, 1000, ?)"""
 
 
+@pytest.mark.sqlite_only
 async def test_the_partial_unique_index_and_checks_refuse_bad_rows(short_tmp: Path) -> None:
     """Raw inserts on the closed file: a second active row of a unit violates the
     partial unique index; settled rows of the unit do not; a bogus status and an
@@ -1429,6 +1430,7 @@ async def test_retention_keeps_a_failed_dispatch_whose_retry_time_is_still_ahead
 # --- schema --------------------------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only
 async def test_a_version_3_database_migrates_to_4_keeping_its_rows(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1002,7 +1002,7 @@ async def test_in_one_batch_a_refused_write_commits_and_a_raised_one_rolls_back(
             await get(store, key_of(params(step="doomed", kind="webhook", target="https://h")))
         assert [row[0] for row in await lease_rows(store)] == [PR, "kept", "pr/other"]
         assert await counters(store) == {PR: 1, "pr/other": 1, "kept": 1}
-    assert query(short_tmp, "SELECT effect_key, status FROM effects") == [
+    assert query(short_tmp, "SELECT effect_key, status FROM effects ORDER BY rowid") == [
         (stale.effect_key, "uncertain"),
         (key_of(other), "uncertain"),
     ]

@@ -50,7 +50,6 @@ from towerd.protocol.changes import IdemChanged
 from towerd.protocol.errors import BadArgs, Conflict, IdempotencyConflict, NotFound
 from towerd.protocol.methods import (
     DEFAULT_EVENT_MAX_PAYLOAD,
-    Empty,
     EventListParams,
     EventListResult,
     EventRecordParams,
@@ -65,6 +64,7 @@ from towerd.protocol.methods import (
     MessageListResult,
     MessageRecord,
     RestorePlanEntry,
+    RestorePlanParams,
     SessionActivity,
     SessionActivityParams,
     SessionIdParams,
@@ -135,13 +135,21 @@ async def event_page(
     return await store.read(fn, caller(ME), params)
 
 
+def own_box(store: Store) -> str | None:
+    """The daemon_id filter that shows this daemon's sessions only: none on the embedded
+    store (its default), this daemon's id on a shared one (whose default is every box's:
+    tests/store/test_boxes_store.py)."""
+    return None if store.one_box else store.daemon_id
+
+
 async def activity(store: Store, session_ids: list[str] | None = None) -> list[SessionActivity]:
-    params = SessionActivityParams(session_ids)
+    params = SessionActivityParams(session_ids, daemon_id=own_box(store))
     return (await store.read(events.activity, caller(ME), params)).sessions
 
 
 async def plan(store: Store) -> list[RestorePlanEntry]:
-    return (await store.read(events.restore_plan, caller(ME), Empty())).sessions
+    params = RestorePlanParams(daemon_id=own_box(store))
+    return (await store.read(events.restore_plan, caller(ME), params)).sessions
 
 
 async def insert_at(store: Store, now: int, **fields: Any) -> str:
@@ -486,7 +494,9 @@ async def test_attention_follows_the_newest_event(
         for n, kind in enumerate(kinds):
             await record(store, kind, session, now=T0 + n)
         newest = (T0 + len(kinds) - 1, kinds[-1]) if kinds else (None, None)
-        assert await activity(store) == [SessionActivity(session, *newest, attention)]  # type: ignore[arg-type]
+        assert await activity(store) == [
+            SessionActivity(session, *newest, attention, store.daemon_id)  # type: ignore[arg-type]
+        ]
 
 
 async def test_activity_of_exited_rows_heartbeats_and_agent_only_events(
@@ -509,15 +519,16 @@ async def test_activity_of_exited_rows_heartbeats_and_agent_only_events(
         only_beats = await register(store)
         await record(store, events.HEARTBEAT, only_beats, now=T0 + 40)
         await record(store, "Notification", agent_session_id="as-theirs", now=T0 + 50)
+        me = store.daemon_id
         assert await activity(store) == [
-            SessionActivity(gone, T0, "Notification", "exited"),
-            SessionActivity(beating, T0 + 20, "Stop", "done"),
-            SessionActivity(late, T0 + 30, "Notification", "needs_you"),
-            SessionActivity(only_beats, T0 + 40, None, "running"),
+            SessionActivity(gone, T0, "Notification", "exited", me),
+            SessionActivity(beating, T0 + 20, "Stop", "done", me),
+            SessionActivity(late, T0 + 30, "Notification", "needs_you", me),
+            SessionActivity(only_beats, T0 + 40, None, "running", me),
         ]
         assert await activity(store, [late, gone]) == [
-            SessionActivity(gone, T0, "Notification", "exited"),
-            SessionActivity(late, T0 + 30, "Notification", "needs_you"),
+            SessionActivity(gone, T0, "Notification", "exited", me),
+            SessionActivity(late, T0 + 30, "Notification", "needs_you", me),
         ]
         assert await activity(store, []) == []
 
@@ -569,9 +580,10 @@ async def test_restore_plan_newest_activity_first_parents_before_children(
             ("stray", None, T0 + 100),
         ]
         assert entries[0] == RestorePlanEntry(
-            session_id=p1, parent=None, agent="claude", agent_session_id="as-p1",
-            cwd="/src/one", name="p1", model="opus", effort="high", target="t",
-            target_identity="ti", transcript_path="/t/p1.jsonl", last_activity_at=T0 + 5000,
+            session_id=p1, daemon_id=store.daemon_id, parent=None, agent="claude",
+            agent_session_id="as-p1", cwd="/src/one", name="p1", model="opus", effort="high",
+            target="t", target_identity="ti", transcript_path="/t/p1.jsonl",
+            last_activity_at=T0 + 5000,
         )  # fmt: skip
         assert [e.session_id for e in entries] == [p1, c2, c1, orphan, p2, p3, stray]
         assert {e.session_id for e in entries}.isdisjoint({ex, c_exited})
@@ -902,6 +914,7 @@ async def test_idem_watchers_hear_a_dead_claimants_message_key_complete(
 # --- schema --------------------------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only
 async def test_a_version_4_database_migrates_to_version_5(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -22,7 +22,7 @@ from store_helpers import (
     register_params,
     rows,
 )
-from towerd.daemon.store import Store, StoreConfig, fleet, idempotency, open_store
+from towerd.daemon.store import Store, fleet, idempotency
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch, Unavailable
 from towerd.protocol.methods import (
     UUID_PATTERN,
@@ -794,7 +794,7 @@ async def test_adopt_takes_the_gone_daemons_keys_and_reconciles_them(short_tmp: 
     become outcome_unknown unless their evidence exists (then completed); this daemon's
     own in-progress keys are untouched."""
     gone = "00000000-0000-4000-8000-0000000000aa"
-    async with open_store(StoreConfig(short_tmp / "state", daemon_id=gone)) as theirs:
+    async with opened(short_tmp, daemon_id=gone) as theirs:
         with_row = await theirs.write(
             idempotency.claim, caller("p"), IdemClaimParams(operation="session.spawn", key="a")
         )
@@ -806,7 +806,7 @@ async def test_adopt_takes_the_gone_daemons_keys_and_reconciles_them(short_tmp: 
         await theirs.write(
             idempotency.claim, caller("p"), IdemClaimParams(operation="session.spawn", key="b")
         )
-    async with open_store(StoreConfig(short_tmp / "state")) as ours:
+    async with opened(short_tmp) as ours:
         await ours.write(idempotency.claim, caller("p"), IdemClaimParams(operation="mine", key="c"))
         result = await adopt(ours, "operator", gone)
         assert (result.adopted, result.keys_adopted) == (1, 2)

@@ -250,7 +250,8 @@ async def test_sqlite_constraint_error_in_a_job_becomes_conflict(
             tx.conn.execute("INSERT INTO meta (key, value) VALUES ('test-key', 'v')")
 
     async with opened(short_tmp) as store:
-        with pytest.raises(Conflict, match="UNIQUE constraint"):
+        # SQLite says "UNIQUE constraint failed", PostgreSQL "violates unique constraint".
+        with pytest.raises(Conflict, match="(?i)unique constraint"):
             await store.write(raw_duplicate)
     assert query(short_tmp, "SELECT count(*) FROM meta WHERE key = 'test-key'") == [(0,)]
 

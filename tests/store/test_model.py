@@ -59,11 +59,12 @@ from hypothesis.stateful import (
     multiple,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 from msgspec import UNSET
 
-from store_helpers import caller, entry, register_params
-from towerd.daemon.store import Store, StoreConfig, fleet, open_store
+from store_helpers import backend, caller, entry, forget_store, register_params, store_config
+from towerd.daemon.store import Store, fleet, open_store
 from towerd.daemon.store import idempotency as idem
 from towerd.daemon.store.idempotency import Holder
 from towerd.daemon.store.reconcile import settle_dead_holders
@@ -234,7 +235,6 @@ class StoreModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="td-model-", dir=_scratch_dir()))
-        self.state_dir = self.root / "state"
         self.stack = ExitStack()
         self.portal = self.stack.enter_context(
             anyio.from_thread.start_blocking_portal(backend="asyncio")
@@ -266,7 +266,10 @@ class StoreModel(RuleBasedStateMachine):
             else:  # the portal then cancels whatever is left instead of waiting for it
                 self.stack.__exit__(type(error), error, error.__traceback__)
         finally:
-            shutil.rmtree(self.root, ignore_errors=True)
+            try:
+                forget_store(self.root)  # PostgreSQL: this run's database
+            finally:
+                shutil.rmtree(self.root, ignore_errors=True)
         if error is not None:
             raise error
 
@@ -277,8 +280,8 @@ class StoreModel(RuleBasedStateMachine):
         manager.__exit__(None, None, None)
 
     def _open(self, daemon: str, ttl_ms: int) -> Store:
-        config = StoreConfig(
-            self.state_dir, completed_ttl_ms=ttl_ms, daemon_id=B_ID if daemon == B else None
+        config = store_config(
+            self.root, completed_ttl_ms=ttl_ms, daemon_id=B_ID if daemon == B else None
         )
         manager = self.portal.wrap_async_context_manager(open_store(config))
         store = manager.__enter__()
@@ -983,9 +986,12 @@ def _scratch_dir() -> str | None:
 
 
 def _snapshot(tx: Tx, principals: list[str]) -> dict[str, Any]:
-    conn = tx.conn
+    conn, ok = tx.conn, [("ok",)]
     return {
-        "integrity": conn.execute("PRAGMA integrity_check").fetchall(),
+        # SQLite's own check of its file (PostgreSQL has no such statement).
+        "integrity": (
+            conn.execute("PRAGMA integrity_check").fetchall() if backend() == "sqlite" else ok
+        ),
         "keys": {
             p: idem.list_keys(tx, caller(p), IdemListParams(limit=5000)).keys for p in principals
         },
@@ -1004,7 +1010,10 @@ def _snapshot(tx: Tx, principals: list[str]) -> dict[str, Any]:
 
 
 def _listed(tx: Tx) -> list[str]:
-    page = fleet.list_sessions(tx, caller(), FleetListParams(limit=5000))
+    # This daemon's rows: the embedded store's default; a shared store lists every box's
+    # by default (tests/store/test_boxes_store.py), so the model names its own box there.
+    own = None if tx.one_box else tx.daemon_id
+    page = fleet.list_sessions(tx, caller(), FleetListParams(limit=5000, daemon_id=own))
     assert page.next_cursor is None
     assert {row.daemon_id for row in page.sessions} <= {tx.daemon_id}
     return [row.session_id for row in page.sessions]
@@ -1019,10 +1028,20 @@ def _key_states_of(tx: Tx, daemon_id: str) -> list[str]:
     ]
 
 
-StoreModel.TestCase.settings = settings(
+MODEL_SETTINGS = settings(
     max_examples=EXAMPLES,
     stateful_step_count=STEPS,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestStoreModel = StoreModel.TestCase
+
+
+def test_store_model() -> None:
+    """The machine's runs, on the backend of this run (a plain test function, not
+    ``StoreModel.TestCase``: tests/store/conftest.py parametrizes functions only)."""
+    run_state_machine_as_test(StoreModel, settings=MODEL_SETTINGS)
+
+
+# The hypothesis pytest plugin reports statistics (--hypothesis-show-statistics) for
+# hypothesis tests only; StoreModel.TestCase.runTest is marked the same way.
+test_store_model.is_hypothesis_test = True  # type: ignore[attr-defined]

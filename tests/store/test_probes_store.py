@@ -64,7 +64,7 @@ async def to_probe(store: Store, due_only: bool = False, *keys: str) -> list[eff
 
 
 def operator_log(root: Path) -> list[tuple[str, str, dict[str, Any]]]:
-    rows = query(root, "SELECT principal, action, detail FROM operator_log ORDER BY rowid")
+    rows = query(root, "SELECT principal, action, detail FROM operator_log ORDER BY at")
     return [(principal, action, json.loads(detail)) for principal, action, detail in rows]
 
 

@@ -169,6 +169,7 @@ def record_event(agent_session_id: str, principal: str, quota_rows: int) -> Call
 # --- auto_vacuum --------------------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only
 async def test_a_fresh_database_is_in_incremental_auto_vacuum(short_tmp: Path) -> None:
     """A new file is created in auto_vacuum INCREMENTAL, so retention can shrink it."""
     async with opened(short_tmp):
@@ -178,6 +179,7 @@ async def test_a_fresh_database_is_in_incremental_auto_vacuum(short_tmp: Path) -
         assert schema.shape_of(conn) == schema.expected_shape()
 
 
+@pytest.mark.sqlite_only
 async def test_a_version_5_database_migrates_keeping_rows_and_counting_them(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -559,6 +561,7 @@ async def test_events_under_100k_distinct_agent_session_ids_stay_bounded(
 # --- space ----------------------------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only
 async def test_retention_returns_space_to_the_file_system(short_tmp: Path) -> None:
     """About 20 MB of hook events, then retention: after the expiry pass (pruning, then
     incremental vacuum in bounded steps) and a WAL checkpoint the file is a fraction of
@@ -585,6 +588,7 @@ async def test_retention_returns_space_to_the_file_system(short_tmp: Path) -> No
     assert query(short_tmp, "PRAGMA freelist_count") == [(0,)]
 
 
+@pytest.mark.sqlite_only
 async def test_a_vacuum_step_returns_a_bounded_number_of_pages(short_tmp: Path) -> None:
     """One step returns at most its page budget, so it never holds the writer long; the
     steps together return every free page."""

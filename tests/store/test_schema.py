@@ -55,6 +55,7 @@ async def refused(root: Path) -> StartRefused:
 # --------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only
 async def test_newer_schema_version_is_refused_naming_both_versions_and_untouched(
     short_tmp: Path,
 ) -> None:
@@ -92,6 +93,7 @@ def change_in_wal_only(root: Path, statement: str) -> None:
     )
 
 
+@pytest.mark.sqlite_only
 @pytest.mark.parametrize(
     "statement, words",
     [
@@ -115,6 +117,7 @@ async def test_a_refusal_whose_cause_is_in_the_wal_leaves_db_and_wal_unchanged(
     assert (sha256(db_path(short_tmp)), sha256(wal)) == before
 
 
+@pytest.mark.sqlite_only
 async def test_sqlite_file_with_foreign_tables_is_refused(short_tmp: Path) -> None:
     """Someone else's SQLite database (no towerd
     application_id) is refused, not adopted."""
@@ -131,6 +134,7 @@ async def test_sqlite_file_with_foreign_tables_is_refused(short_tmp: Path) -> No
     assert sha256(path) == before
 
 
+@pytest.mark.sqlite_only
 async def test_other_application_id_is_refused(short_tmp: Path) -> None:
     """A SQLite file stamped with another application's id is refused."""
     path = private_state_dir(short_tmp) / "towerd.db"
@@ -141,6 +145,7 @@ async def test_other_application_id_is_refused(short_tmp: Path) -> None:
     assert "application_id 0x4d2" in str(error)
 
 
+@pytest.mark.sqlite_only
 async def test_user_version_without_tables_or_stamp_is_refused(short_tmp: Path) -> None:
     """An unstamped file with a user_version set is not a fresh database either."""
     path = private_state_dir(short_tmp) / "towerd.db"
@@ -150,6 +155,7 @@ async def test_user_version_without_tables_or_stamp_is_refused(short_tmp: Path) 
     assert "not a towerd database" in str(await refused(short_tmp))
 
 
+@pytest.mark.sqlite_only
 @pytest.mark.parametrize(
     "content",
     [
@@ -169,6 +175,7 @@ async def test_non_sqlite_file_is_refused_and_untouched(short_tmp: Path, content
     assert path.read_bytes() == content
 
 
+@pytest.mark.sqlite_only
 async def test_empty_file_is_initialised(short_tmp: Path) -> None:
     """A zero-length towerd.db (as _create_private_file leaves it) is a new database."""
     path = private_state_dir(short_tmp) / "towerd.db"
@@ -183,6 +190,7 @@ async def test_empty_file_is_initialised(short_tmp: Path) -> None:
 # -------------------------------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only
 async def test_table_with_an_extra_column_is_refused_naming_it(short_tmp: Path) -> None:
     """A towerd database whose sessions table gained
     a column is refused, naming the table."""
@@ -218,6 +226,7 @@ async def test_missing_or_unexpected_tables_and_indexes_are_refused(
     assert "table idempotency has indexes" in message
 
 
+@pytest.mark.sqlite_only
 async def test_fresh_database_has_exactly_the_expected_shape(short_tmp: Path) -> None:
     """What open_store creates is what the ladder's scratch build describes."""
     await populated(short_tmp)
@@ -229,6 +238,7 @@ async def test_fresh_database_has_exactly_the_expected_shape(short_tmp: Path) ->
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only
 async def test_corrupted_database_is_refused_by_quick_check(short_tmp: Path) -> None:
     """Garbage written over the table pages of a populated database
     is caught by quick_check before anything is written."""
@@ -253,6 +263,7 @@ async def test_corrupted_database_is_refused_by_quick_check(short_tmp: Path) -> 
 # ----------------------------------------------------------------------------------
 
 
+@pytest.mark.sqlite_only
 async def test_state_dir_is_created_0700_and_db_file_0600(short_tmp: Path) -> None:
     """A new state dir is private to the user,
     and so are the database and its WAL files."""
@@ -275,6 +286,7 @@ async def test_state_dir_that_is_a_symlink_is_refused(short_tmp: Path) -> None:
     assert list(real.iterdir()) == []
 
 
+@pytest.mark.sqlite_only
 async def test_db_path_that_is_a_symlink_is_refused(short_tmp: Path) -> None:
     """towerd.db as a symlink is refused and its target is not touched."""
     private_state_dir(short_tmp)
@@ -297,6 +309,7 @@ async def test_state_dir_open_to_others_is_refused(short_tmp: Path) -> None:
     assert not db_path(short_tmp).exists()
 
 
+@pytest.mark.sqlite_only
 async def test_db_file_open_to_others_is_refused(short_tmp: Path) -> None:
     """A database file readable by others is refused."""
     await populated(short_tmp)
@@ -308,6 +321,7 @@ async def test_db_file_open_to_others_is_refused(short_tmp: Path) -> None:
 # ----------------
 
 
+@pytest.mark.sqlite_only
 async def test_failed_migration_leaves_version_and_tables_intact(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -341,6 +355,7 @@ async def test_failed_migration_leaves_version_and_tables_intact(
         assert store.owner_epoch == 2
 
 
+@pytest.mark.sqlite_only
 async def test_successful_migration_climbs_one_step(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -358,6 +373,7 @@ async def test_successful_migration_climbs_one_step(
     assert query(short_tmp, "SELECT count(*) FROM sessions") == [(2,)]
 
 
+@pytest.mark.sqlite_only
 async def test_misshapen_old_version_is_refused_before_it_is_migrated(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -378,6 +394,7 @@ async def test_misshapen_old_version_is_refused_before_it_is_migrated(
     assert sha256(db_path(short_tmp)) == before
 
 
+@pytest.mark.sqlite_only
 async def test_misshapen_rollback_journal_database_is_refused_untouched(
     short_tmp: Path,
 ) -> None:
@@ -391,6 +408,7 @@ async def test_misshapen_rollback_journal_database_is_refused_untouched(
     assert sha256(db_path(short_tmp)) == before
 
 
+@pytest.mark.sqlite_only
 async def test_a_version_1_database_climbs_the_whole_ladder(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -426,6 +444,7 @@ async def test_a_version_1_database_climbs_the_whole_ladder(
         assert old.execute("SELECT count(*) FROM sessions").fetchone() == (4,)
 
 
+@pytest.mark.sqlite_only
 async def test_a_version_7_database_climbs_to_the_evidence_probe_columns(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

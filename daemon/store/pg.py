@@ -1,0 +1,164 @@
+"""The PostgreSQL backend's connection: the store's SQL, written once, run on psycopg.
+
+Every store function is plain SQL on ``tx.conn`` in the subset SQLite and PostgreSQL
+share (``?`` placeholders, ``ON CONFLICT``, ``RETURNING``, an explicit ``rowid``
+column on PostgreSQL where SQLite has an implicit one: daemon/store/pg_schema.py).
+:class:`PgConnection` gives a psycopg connection the face of ``sqlite3.Connection``
+as far as the store functions use it, so one body of SQL serves both backends:
+
+* ``?`` becomes ``%s`` (and a literal ``%`` becomes ``%%``), once per statement text;
+* a ``bool`` argument is sent as the integer the schema stores;
+* ``BEGIN IMMEDIATE`` (SQLite: take the write lock now) is ``BEGIN`` and a transaction
+  advisory lock every box's writer takes, so writes are serial across boxes exactly as
+  they are in one SQLite file; the server's clock is read under that lock
+  (``server_now``): every TTL and deadline in the shared store is on the server's clock;
+* ``total_changes`` and ``in_transaction`` mean what they mean in sqlite3.
+
+The writer lock costs one round trip per batch and makes every check-then-write in
+the store functions as safe on PostgreSQL as on SQLite, without retries on
+serialization failures. Only the daemon imports this module (psycopg is a daemon
+dependency, never a client's).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import psycopg
+from psycopg import pq
+
+WRITE_LOCK = 0x746F_7764_0057  # "towd" "W": the one advisory lock every box's writer takes
+CONNECT_TIMEOUT_S = 5  # every call that needs the store answers within this (issue 16)
+
+_SERVER_NOW_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+_BEGIN_WRITE = f"SELECT pg_advisory_xact_lock({WRITE_LOCK}), {_SERVER_NOW_MS}"
+_DML = ("INSERT", "UPDATE", "DELETE", "MERGE")
+
+
+@functools.lru_cache(maxsize=8192)
+def translate(sql: str) -> str:
+    """SQLite-style ``?`` placeholders to psycopg's ``%s``, outside string literals and
+    quoted names; a literal ``%`` doubled so psycopg does not read it as a placeholder."""
+    out: list[str] = []
+    quote: str | None = None
+    for char in sql:
+        if quote is not None:
+            if char == quote:
+                quote = None
+            out.append("%%" if char == "%" else char)
+        elif char in ("'", '"'):
+            quote = char
+            out.append(char)
+        elif char == "?":
+            out.append("%s")
+        elif char == "%":
+            out.append("%%")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def _arguments(args: Any) -> Any:
+    if any(type(value) is bool for value in args):
+        return [int(value) if type(value) is bool else value for value in args]
+    return args
+
+
+class PgConnection:
+    """A psycopg connection (autocommit: towerd says BEGIN and COMMIT itself, as it does
+    on sqlite3 with ``isolation_level=None``) seen as the store functions see sqlite3."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.raw = conn
+        self.total_changes = 0
+        self.server_now: int | None = None  # the server's clock, read by BEGIN IMMEDIATE
+
+    def execute(self, sql: str, args: Any = ()) -> psycopg.Cursor[Any]:
+        if sql == "BEGIN IMMEDIATE":
+            self.raw.execute("BEGIN")
+            cursor = self.raw.execute(_BEGIN_WRITE)
+            row = cursor.fetchone()
+            assert row is not None
+            self.server_now = int(row[1])
+            return cursor
+        # Without arguments psycopg sends the text as it is: nothing to translate.
+        if args:
+            cursor = self.raw.execute(translate(sql), _arguments(args))
+        else:
+            cursor = self.raw.execute(sql)
+        if cursor.rowcount > 0 and (cursor.statusmessage or "").startswith(_DML):
+            self.total_changes += cursor.rowcount
+        return cursor
+
+    def executemany(self, sql: str, rows: Any) -> psycopg.Cursor[Any]:
+        cursor = self.raw.cursor()
+        cursor.executemany(translate(sql), [_arguments(row) for row in rows])
+        if cursor.rowcount > 0:
+            self.total_changes += cursor.rowcount
+        return cursor
+
+    @property
+    def in_transaction(self) -> bool:
+        """Like sqlite3's; a transaction PostgreSQL aborted (an error) still counts: it
+        must be rolled back (or back to a savepoint) before anything else runs."""
+        status = self.raw.info.transaction_status
+        return status in (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+    @property
+    def failed(self) -> bool:
+        """PostgreSQL abandoned the open transaction's statements after an error: only a
+        rollback (to a savepoint) lets the next statement run."""
+        return self.raw.info.transaction_status == pq.TransactionStatus.INERROR
+
+    @property
+    def broken(self) -> bool:
+        return self.raw.closed or self.raw.broken
+
+    def server_now_ms(self) -> int:
+        """The server's clock now (one round trip), outside the writer's lock."""
+        row = self.raw.execute(f"SELECT {_SERVER_NOW_MS}").fetchone()
+        assert row is not None
+        return int(row[0])
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def connect(dsn: str) -> PgConnection:
+    """A connection that gives up within :data:`CONNECT_TIMEOUT_S` when the server is
+    unreachable: at connect, on a statement (``statement_timeout``, which also bounds
+    the wait for the writer lock), and on a silent network (TCP keepalives and
+    ``tcp_user_timeout``); the server ends a transaction left idle by a vanished box, so
+    its lock is not held for longer than that either."""
+    timeout_ms = CONNECT_TIMEOUT_S * 1000
+    conn = psycopg.connect(
+        dsn,
+        autocommit=True,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        application_name="towerd",
+        keepalives=1,
+        keepalives_idle=2,
+        keepalives_interval=1,
+        keepalives_count=2,
+        tcp_user_timeout=timeout_ms,
+        options=(
+            f"-c statement_timeout={timeout_ms} "
+            f"-c idle_in_transaction_session_timeout={timeout_ms} "
+            "-c lock_timeout=0 -c TimeZone=UTC"
+        ),
+    )
+    return PgConnection(conn)
+
+
+def redacted(dsn: str) -> str:
+    """The DSN without its password, for logs and ``status``."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "postgresql://(unparseable DSN)"
+    info.pop("password", None)
+    host = info.get("host") or ""
+    port = info.get("port")
+    where = f"{host}:{port}" if port else host
+    return f"postgresql://{info.get('user') or ''}@{where}/{info.get('dbname') or ''}"

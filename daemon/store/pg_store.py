@@ -1,0 +1,333 @@
+"""The store on PostgreSQL: the same store functions and the same group-commit writer
+as on SQLite, on a database several boxes' daemons share.
+
+What differs from daemon/store/store.py, and only that, is here:
+
+* connections: one writer and one reader, each a psycopg connection used from one
+  worker thread at a time (the store functions are synchronous SQL, one hop per
+  transaction, exactly as on SQLite; an async driver would need a second copy of every
+  store function). A connection that broke is replaced at the next use;
+* the clock: a batch's ``tx.now`` is the server's ``clock_timestamp()`` read under the
+  writer lock (daemon/store/pg.py), never this box's clock, and never less than the
+  previous batch's; this box's own clock is anchored to the server's at start-up;
+* identity: the daemon id lives in the state dir's record (daemon/store/identity.py),
+  the shared database only knows it as a row of ``daemons``; a state dir whose daemon
+  the database does not know (the database was replaced or reset) is refused unless
+  ``--new-store``;
+* nothing here is a file: no WAL checkpoints, file backups or file checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sqlite3
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import psycopg
+import structlog
+
+from towerd.daemon.clock import Anchor, DaemonClock, boot_id, boottime_ms
+from towerd.daemon.private_paths import StartRefused, ensure_private_dir
+from towerd.daemon.store import identity, pg_schema, presence
+from towerd.daemon.store.config import StoreConfig
+from towerd.daemon.store.pg import PgConnection, connect, redacted
+from towerd.daemon.store.reconcile import start_daemon
+from towerd.daemon.store.store import Store
+from towerd.daemon.store.tx import STORE_UNREACHABLE, Tx, translate_pg_error, use_clock
+from towerd.protocol.errors import Unavailable
+from towerd.protocol.methods import ReconcileReport
+
+T = TypeVar("T")
+
+log = structlog.get_logger("towerd.store")
+
+
+class _PgThread:
+    """One PostgreSQL connection, used by one worker thread at a time; reconnected at
+    the next use after it broke (the writer re-checks its epoch in every batch)."""
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._conn: PgConnection | None = None
+        self._limiter = anyio.CapacityLimiter(1)
+
+    @classmethod
+    async def open(cls, dsn: str) -> _PgThread:
+        thread = cls(dsn)
+        await thread.run(lambda conn: None)
+        return thread
+
+    def _connection(self) -> PgConnection:
+        if self._conn is None or self._conn.broken:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            self._conn = connect(self._dsn)
+        return self._conn
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        # A read abandoned at its deadline goes on in its thread until libpq's own
+        # timeouts end it (daemon/store/pg.py: within the same 5 s).
+        return await anyio.to_thread.run_sync(
+            lambda: fn(self._connection(), *args), limiter=self._limiter, abandon_on_cancel=True
+        )
+
+    async def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await anyio.to_thread.run_sync(conn.close, limiter=self._limiter)
+
+
+CALL_DEADLINE_S = 5.0  # issue 16: "every call that needs the store answers within 5 s"
+
+
+def _unreachable(why: str) -> Unavailable:
+    return Unavailable(STORE_UNREACHABLE.format(why=f" ({why})"),
+                       {"reason": "store_unreachable", "retry": "same_key"})  # fmt: skip
+
+
+def _give_up(future: asyncio.Future[Any], why: str) -> None:
+    if not future.done():
+        future.set_exception(_unreachable(f"the write {why} {CALL_DEADLINE_S:g} s"))
+
+
+class _NoFiles:
+    """A database on a server is not a file this daemon can watch."""
+
+    def lost(self) -> str | None:
+        return None
+
+
+class PgStore(Store):
+    """The store on a PostgreSQL database shared by several boxes."""
+
+    DB_ERRORS = (sqlite3.Error, psycopg.Error)
+    backend = "postgresql"
+    inline_reads = False  # a read crosses the network: never on the event loop
+    one_box = False  # several boxes' holders: this daemon checks its own box's pids only
+
+    def __init__(self, config: StoreConfig, writer: Any, reader: Any, identity: Tx,
+                 reconciliation: ReconcileReport, dsn: str) -> None:  # fmt: skip
+        self.dsn = dsn
+        self._last_now = identity.now
+        self.reachable = True  # the last transaction reached the server
+        self.store_error: str | None = None  # why not, when it did not
+        super().__init__(config, writer, reader, identity, reconciliation, Path(os.devnull))
+
+    def _open_inline(self) -> Any:
+        return connect(self.dsn)
+
+    def _watch_files(self) -> Any:
+        return _NoFiles()
+
+    @property
+    def location(self) -> str:
+        return redacted(self.dsn)
+
+    def read_now(self, fn: Callable[..., T], *args: Any) -> T:
+        """A read on the event loop's own connection, for what must be read in one loop
+        step (a ``watch`` snapshot). Handlers use ``read`` (the network is no place for
+        the loop to wait); with the server known unreachable this answers at once."""
+        if not self.reachable:
+            raise _unreachable(self.store_error or "the last transaction failed")
+        if self._inline.broken:
+            self._inline.close()
+            self._inline = connect(self.dsn)
+        return super().read_now(fn, *args)
+
+    def _mark(self, error: BaseException | None) -> None:
+        """Whether the server answered: ``status``, ``ping`` and ``doctor`` say so."""
+        if error is None:
+            self.reachable, self.store_error = True, None
+            return
+        translated = translate_pg_error(error)
+        if translated is not None and (translated.data or {}).get("reason") == "store_unreachable":
+            self.reachable, self.store_error = False, str(error).strip() or type(error).__name__
+
+    def _uncommitted(self, exc: BaseException) -> BaseException:
+        self._mark(exc)
+        return exc
+
+    # --- every call that needs the store answers within CALL_DEADLINE_S ----------------
+
+    def write(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """As on SQLite; and a write not committed within the deadline is answered
+        ``unavailable`` (it may still commit: the answer says so, and a retry with the
+        same key is safe), so a caller never waits on an unreachable server for long."""
+        future = super().write(fn, *args)
+        if not future.done():
+            handle = asyncio.get_running_loop().call_later(
+                CALL_DEADLINE_S, _give_up, future, "did not commit within"
+            )
+            future.add_done_callback(lambda _done: handle.cancel())
+        return future
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        with anyio.move_on_after(CALL_DEADLINE_S):
+            try:
+                result = await super().read(fn, *args)
+            except Unavailable as exc:
+                if (exc.data or {}).get("reason") == "store_unreachable":
+                    self.reachable, self.store_error = False, str(exc)
+                raise
+            self._mark(None)
+            return result
+        self.reachable, self.store_error = False, "a read timed out"
+        raise _unreachable(f"did not answer a read within {CALL_DEADLINE_S:g} s")
+
+    async def on_own_connection(self, fn: Callable[..., T], *args: Any) -> T:
+        raise Unavailable(
+            "this daemon's store is on PostgreSQL: file backups, WAL checkpoints and file "
+            "checks are SQLite's; use PostgreSQL's own tools (pg_dump, amcheck)",
+            {"reason": "store_is_postgresql"},
+        )
+
+    def _batch_now(self, conn: Any) -> int:
+        self._mark(None)  # the writer lock was granted: the server answers
+        now = max(conn.server_now or 0, self._last_now)
+        self._last_now = now
+        return now
+
+    def _broken(self, conn: Any) -> bool:
+        return bool(conn.broken)
+
+    def _begin(self, conn: Any, jobs: list[Any]) -> bool:
+        """As on SQLite (the writer lock, then this daemon's epoch), and: a box another box
+        declared dead while it was cut off serves again under a new epoch, committed
+        before the batch runs; what its holders held stays released."""
+        if not super()._begin(conn, jobs):
+            return False
+        row = conn.execute(
+            "SELECT dead_at FROM daemons WHERE daemon_id = ?", (self.daemon_id,)
+        ).fetchone()
+        if row is None or row[0] is None:
+            return True
+        now = self._batch_now(conn)
+        (epoch,) = conn.execute(
+            """UPDATE daemons SET owner_epoch = owner_epoch + 1, dead_at = NULL,
+                   presence_at = ? WHERE daemon_id = ? RETURNING owner_epoch""",
+            (now, self.daemon_id),
+        ).fetchone()
+        conn.execute(
+            "UPDATE sessions SET owner_epoch = ? WHERE daemon_id = ?", (epoch, self.daemon_id)
+        )
+        conn.execute("COMMIT")
+        log.warning(
+            "box_revived", code="stale_epoch", daemon_id=self.daemon_id,
+            declared_dead_at=row[0], old_epoch=self.owner_epoch, owner_epoch=epoch,
+        )  # fmt: skip
+        self.owner_epoch = epoch
+        return super()._begin(conn, jobs)
+
+
+def _start(
+    conn: PgConnection, config: StoreConfig, recorded: str | None
+) -> tuple[Tx, ReconcileReport, DaemonClock]:
+    """On the writer's connection: migrate, check the shape, then the start-up
+    transaction (the next epoch, reconciliation of this box's keys) on the server's clock."""
+    pg_schema.migrate(conn.raw)
+    pg_schema.check_shape(conn.raw)
+    daemon_id = config.daemon_id or recorded
+    if daemon_id is not None and config.daemon_id is None:
+        known = conn.execute("SELECT 1 FROM daemons WHERE daemon_id = ?", (daemon_id,))
+        if known.fetchone() is None and not config.new_store:
+            raise StartRefused(
+                f"the PostgreSQL store {redacted(config.store or '')} does not know this "
+                f"state dir's daemon {daemon_id}: the database was replaced or reset, and "
+                "starting would forget every key this box acknowledged. Point --store at "
+                f"the right database, or {identity.NEW_STORE_HINT}"
+            )
+    daemon_id = daemon_id or str(uuid.uuid4())
+    now = conn.server_now_ms()
+    clock = DaemonClock(Anchor(boot_id(), boottime_ms(), now))
+    use_clock(clock)
+    started, report = start_daemon(
+        conn,  # type: ignore[arg-type]  # PgConnection speaks the sqlite3 subset used
+        daemon_id=daemon_id,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        now=now,
+        completed_ttl_ms=config.completed_ttl_ms,
+        clock_anchor=None,  # the server's clock needs no anchor in the shared store
+        one_box=False,
+    )
+    # Present from its first answer, and no longer dead: a box declared dead that starts
+    # again comes back under this start's epoch (what it held stays released).
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute(
+        "UPDATE daemons SET presence_at = ?, dead_at = NULL WHERE daemon_id = ?",
+        (conn.server_now, started.daemon_id),
+    )
+    conn.execute("COMMIT")
+    return started, report, clock
+
+
+async def _keep_present(
+    store: PgStore, *, task_status: anyio.abc.TaskStatus[anyio.CancelScope]
+) -> None:
+    """Heartbeat this box's presence every presence interval, and declare dead (and
+    settle) the boxes whose presence lapsed (daemon/store/presence.py)."""
+    with anyio.CancelScope() as scope:
+        task_status.started(scope)
+        while True:
+            try:
+                report = await store.write(presence.beat)
+            except Exception as exc:  # noqa: BLE001 - the store may be unreachable: retry
+                log.warning("presence_beat_failed", code=getattr(exc, "code", "internal"),
+                            error=str(exc))  # fmt: skip
+            else:
+                for box in report.declared_dead:
+                    settled = report.settled[box]
+                    log.warning(
+                        "box_declared_dead", code="unavailable", box=box,
+                        keys_unknown=len(settled.keys_unknown),
+                        leases_released=len(settled.leases_released),
+                        effects_parked=len(settled.effects_parked),
+                        workers_ended=len(settled.workers_ended),
+                    )  # fmt: skip
+            await anyio.sleep(store.config.presence_interval_ms / 1000)
+
+
+@asynccontextmanager
+async def open_pg_store(config: StoreConfig) -> AsyncIterator[PgStore]:
+    """Connect, migrate, start this box's next epoch, reconcile; like ``open_store``."""
+    assert config.store is not None
+    state_dir = ensure_private_dir(config.state_dir, "state dir")
+    own_identity = config.daemon_id is None
+    recorded = identity.read_record(state_dir) if own_identity else None
+    try:
+        writer = await _PgThread.open(config.store)
+    except psycopg.Error as exc:
+        raise StartRefused(
+            f"cannot reach the PostgreSQL store {redacted(config.store)}: {exc}"
+        ) from None
+    try:
+        started, report, _clock = await writer.run(_start, config, recorded)
+        if own_identity:
+            await anyio.to_thread.run_sync(identity.keep_record, state_dir, started.daemon_id)
+        log.info("store_opened", backend="postgresql", store=redacted(config.store),
+                 daemon_id=started.daemon_id, owner_epoch=started.owner_epoch)  # fmt: skip
+        reader = await _PgThread.open(config.store)
+        try:
+            store = PgStore(config, writer, reader, started, report, config.store)
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(store._write_batches)
+                presence_scope = await tasks.start(_keep_present, store)
+                try:
+                    yield store
+                finally:
+                    presence_scope.cancel()
+                    store._close_queue()
+                    store._inline.close()
+        finally:
+            await reader.close()
+    finally:
+        await writer.close()

@@ -1,0 +1,71 @@
+"""Boxes' presence on a shared store: each daemon heartbeats its row; a box silent past
+the presence TTL is dead for everyone, and any live daemon settles what it held.
+
+Presence is on the server's clock (every box's ``tx.now`` is, daemon/store/pg.py), so
+boxes whose clocks differ agree on who lapsed. Only a box's own daemon checks its pids
+(tx.own_box); for another box, its presence is the only evidence: once it lapses, every
+holder of that box is dead, and the box's rows are settled exactly as its own sweep
+would settle them with every holder dead: its keys turn ``outcome_unknown`` (or complete
+from evidence), its leases are freed, its shared in-flight effects parked ``uncertain``,
+its workers ``crashed``. A box that comes back finds itself declared dead and serves
+again under a new epoch (pg_store.PgStore); what its holders held stays released, and
+fencing refuses their late commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import structlog
+
+from towerd.daemon.store import idempotency, leases, liveness, reconcile
+from towerd.daemon.store.tx import Tx
+
+log = structlog.get_logger("towerd.store")
+
+
+@dataclass
+class BeatReport:
+    """What one heartbeat found: the boxes it declared dead, and what they held."""
+
+    declared_dead: list[str] = field(default_factory=list)
+    settled: dict[str, liveness.LivenessReport] = field(default_factory=dict)
+
+
+def beat(tx: Tx) -> BeatReport:
+    """A store function (a write): this box is present now; every other box silent for
+    the presence TTL is declared dead and its rows settled, in this transaction."""
+    tx.conn.execute(
+        "UPDATE daemons SET presence_at = ? WHERE daemon_id = ?", (tx.now, tx.daemon_id)
+    )
+    report = BeatReport()
+    lapsed = tx.conn.execute(
+        """SELECT daemon_id FROM daemons
+           WHERE dead_at IS NULL AND daemon_id <> ? AND presence_at <= ?
+           ORDER BY daemon_id""",
+        (tx.daemon_id, tx.now - tx.config.presence_ttl_ms),
+    ).fetchall()
+    for (box,) in lapsed:
+        tx.conn.execute("UPDATE daemons SET dead_at = ? WHERE daemon_id = ?", (tx.now, box))
+        report.declared_dead.append(box)
+        report.settled[box] = settle_box(tx, box)
+    return report
+
+
+def settle_box(tx: Tx, box: str) -> liveness.LivenessReport:
+    """Everything ``box`` held, settled as that box with every holder dead."""
+    as_box = dataclasses.replace(tx, daemon_id=box, one_box=False, as_dead_box=True)
+    holders, _silent = liveness.to_check(as_box, tx.config.worker_ttl_ms)
+    report = liveness.settle(as_box, holders, tx.config.worker_ttl_ms)
+    # Keys held by no process (a claim without a holder) were held across a daemon that
+    # is gone: unknown too, as at a restart; so are leases granted to nobody in particular.
+    report.keys_unknown += _unknown_unheld_keys(as_box)
+    report.leases_released += leases.release_box(as_box, "box-dead")
+    return report
+
+
+def _unknown_unheld_keys(tx: Tx) -> list[tuple[str, str, str]]:
+    moved = idempotency.mark_box_unknown(tx)
+    completed = reconcile.settle(tx, [(rowid, op, ref) for rowid, _, op, _, ref in moved])
+    return [(p, op, key) for rowid, p, op, key, _ in moved if rowid not in completed]

@@ -1,0 +1,135 @@
+"""Several boxes, one fleet: two real daemons (two state dirs, two sockets) sharing one
+real PostgreSQL database, talked to through the real client.
+
+What is proven here: a lease contended through both boxes goes to one, with tokens
+increasing; a box killed with kill -9 is declared dead once its presence lapses, and
+the other box frees what it held (its in-progress key turns outcome_unknown, its lease
+is taken over under a greater token); the dead box comes back under a new epoch; each
+box sees the other's fleet rows; both daemons started at once on a fresh database
+migrate it once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from towerd.client import LeaseHeld, OutcomeUnknown
+from towerd_testing import Daemon, wait_for
+
+PRESENCE = ["--presence-interval", "0.5", "--presence-ttl", "5"]
+
+
+def box(make_daemon: Callable[..., Daemon], name: str, dsn: str) -> Daemon:
+    daemon = make_daemon(name)
+    daemon.extra_args = ["--store", dsn, *PRESENCE]
+    return daemon
+
+
+@pytest.fixture
+def boxes(make_daemon: Callable[..., Daemon], pg_dsn: str) -> tuple[Daemon, Daemon]:
+    return box(make_daemon, "a", pg_dsn).start(), box(make_daemon, "b", pg_dsn).start()
+
+
+def test_two_boxes_are_two_daemon_ids_with_their_own_epochs(
+    boxes: tuple[Daemon, Daemon],
+) -> None:
+    a, b = boxes
+    with a.client() as ca, b.client() as cb:
+        sa, sb = ca.status(), cb.status()
+    assert sa["daemon_id"] != sb["daemon_id"]
+    assert sa["owner_epoch"] == sb["owner_epoch"] == 1
+    assert sa["db_path"].startswith("postgresql://")
+
+
+def test_a_lease_contended_through_both_boxes_goes_to_one_and_tokens_increase(
+    boxes: tuple[Daemon, Daemon],
+) -> None:
+    a, b = boxes
+    with a.client() as ca, b.client() as cb:
+        granted = ca.lease_acquire("deploy/prod", ttl_ms=600_000)
+        with pytest.raises(LeaseHeld):
+            cb.lease_acquire("deploy/prod", ttl_ms=600_000)  # the same pid, another box
+        ca.lease_release("deploy/prod", granted["fencing_token"])
+        taken = cb.lease_acquire("deploy/prod", ttl_ms=600_000)
+        assert taken["fencing_token"] > granted["fencing_token"]
+        with pytest.raises(LeaseHeld):
+            ca.lease_acquire("deploy/prod", ttl_ms=600_000)
+
+
+def test_each_box_sees_the_whole_fleet_and_writes_only_its_own(
+    boxes: tuple[Daemon, Daemon],
+) -> None:
+    a, b = boxes
+    with a.client() as ca, b.client() as cb:
+        on_a = ca.session_register(cwd="/a", agent="claude")["session_id"]
+        on_b = cb.session_register(cwd="/b", agent="codex")["session_id"]
+        for client in (ca, cb):
+            rows = {r["session_id"]: r["daemon_id"] for r in client.fleet_list()["sessions"]}
+            assert rows == {on_a: ca.status()["daemon_id"], on_b: cb.status()["daemon_id"]}
+        assert cb.fleet_get(on_a)["cwd"] == "/a"
+
+
+def test_a_killed_box_is_declared_dead_and_the_other_frees_what_it_held(
+    make_daemon: Callable[..., Daemon], pg_dsn: str
+) -> None:
+    a = box(make_daemon, "a", pg_dsn).start()
+    b = box(make_daemon, "b", pg_dsn).start()
+    with a.client() as ca:
+        dead_box = ca.status()["daemon_id"]
+        claimed = ca.idem_claim("deploy", "release-42")
+        assert claimed["state"] == "claimed"
+        granted = ca.lease_acquire("deploy/prod", ttl_ms=600_000)
+    a.kill9()
+    with b.client() as cb:
+        with pytest.raises(LeaseHeld):  # the box is still present (its TTL has not passed)
+            cb.lease_acquire("deploy/prod", ttl_ms=600_000)
+
+        def taken() -> object:
+            try:
+                return cb.lease_acquire("deploy/prod", ttl_ms=600_000)
+            except LeaseHeld:
+                return None
+
+        lease: Any = wait_for(taken, timeout=20, what="the dead box's lease to be freed")
+        assert lease["fencing_token"] > granted["fencing_token"]
+        log = b.log()
+        assert "box_declared_dead" in log and dead_box in log
+    # Its key turned outcome_unknown (decided by box b): a retry through either box is
+    # told so, never "claimed" again.
+    a.start()
+    with a.client() as ca:
+        assert ca.status()["owner_epoch"] == 2  # the next epoch
+        with pytest.raises(OutcomeUnknown):
+            ca.idem_claim("deploy", "release-42")
+    with b.client() as cb, pytest.raises(OutcomeUnknown):
+        cb.idem_claim("deploy", "release-42")
+
+
+def test_both_daemons_started_at_once_on_a_fresh_database_migrate_it_once(
+    make_daemon: Callable[..., Daemon], pg_databases: Callable[..., str]
+) -> None:
+    empty = pg_databases(migrated=False)  # no schema yet: the daemons race to create it
+    daemons = [box(make_daemon, name, empty) for name in ("a", "b", "c")]
+    errors: list[BaseException] = []
+
+    def start(daemon: Daemon) -> None:
+        try:
+            daemon.start()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(d,)) for d in daemons]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    ids = set()
+    for daemon in daemons:
+        with daemon.client() as client:
+            ids.add(client.status()["daemon_id"])
+    assert len(ids) == 3
