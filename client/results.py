@@ -75,6 +75,7 @@ __all__ = [
     "SessionRow",
     "ShutdownResult",
     "StatusResult",
+    "StoreState",
     "StuckVerdict",
     "TrailEvent",
     "UncertainEffect",
@@ -317,6 +318,7 @@ class HookEventResult(TypedDict):
     conflicts: NotRequired[list[PathHolder]]
     leased: NotRequired[list[str]]
     registered: NotRequired[bool]
+    queued: NotRequired[bool]
 
 
 class IdemClaimResult(TypedDict):
@@ -485,6 +487,7 @@ class PathReleaseResult(TypedDict):
 class PingResult(TypedDict):
     pong: bool
     now: int
+    store: str
 
 
 class ProbeOutcome(TypedDict):
@@ -624,6 +627,19 @@ class StatusResult(TypedDict):
     reconciliation: ReconcileReport
     clock: ClockReport | None
     upkeep: list[UpkeepTask]
+    store: StoreState | None
+
+
+class StoreState(TypedDict):
+    """Where the state store is and whether it answers (``status``; PostgreSQL may not)."""
+
+    backend: str
+    location: str
+    reachable: bool
+    error: str | None
+    outbox_queued: int
+    outbox_dropped: int
+    outbox_forwarded: int
 
 
 class StuckVerdict(TypedDict):

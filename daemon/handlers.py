@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from towerd.daemon.clock import StepDetector
+from towerd.daemon.outbox import Outbox, store_unreachable
 from towerd.daemon.processes import LivenessUnknown, ancestors, holder_of, may_hold_for
 from towerd.daemon.read_cache import ReadCache
 from towerd.daemon.store import (
@@ -170,6 +171,7 @@ class Handlers:
         self.clock_steps = StepDetector(current_clock())  # the guard task checks it
         self.upkeep: Upkeep | None = None  # the background tasks' health, for status
         self.prober: Prober | None = None  # the evidence probes (daemon/probes.py)
+        self.outbox: Outbox | None = None  # hook events queued while a shared store is away
         self._request_shutdown = request_shutdown
         explicit: dict[str, Handler] = {
             "hello": self.hello,
@@ -222,10 +224,32 @@ class Handlers:
         )
 
     def ping(self, caller: Caller, params: m.Empty) -> m.PingResult:
-        return m.PingResult(pong=True, now=now_ms())
+        """Answered by the daemon itself, whatever the store's state (which it names)."""
+        return m.PingResult(
+            pong=True, now=now_ms(), store="reachable" if self.store.reachable else "unreachable"
+        )
+
+    def store_state(self) -> m.StoreState:
+        outbox = self.outbox
+        return m.StoreState(
+            backend=self.store.backend,
+            location=self.store.location,
+            reachable=self.store.reachable,
+            error=self.store.store_error,
+            outbox_queued=outbox.queued if outbox else 0,
+            outbox_dropped=outbox.dropped if outbox else 0,
+            outbox_forwarded=outbox.forwarded if outbox else 0,
+        )
 
     async def status(self, caller: Caller, params: m.Empty) -> m.StatusResult:
-        sessions, keys = await self.store.read(status_counts)
+        """The daemon's own account; with the store unreachable its counts are zero and
+        ``store`` says why (status must answer when nothing else does)."""
+        try:
+            sessions, keys = await self.store.read(status_counts)
+        except Unavailable as exc:
+            if not store_unreachable(exc):
+                raise
+            sessions, keys = 0, m.KeyCounts()
         return m.StatusResult(
             daemon_id=self.store.daemon_id,
             owner_epoch=self.store.owner_epoch,
@@ -241,6 +265,7 @@ class Handlers:
             reconciliation=self.store.reconciliation,
             clock=self._clock_report(),
             upkeep=list(self.upkeep.tasks.values()) if self.upkeep else [],
+            store=self.store_state(),
         )
 
     def _clock_report(self) -> m.ClockReport:
@@ -299,7 +324,39 @@ class Handlers:
         except BadArgs:
             params.agent_pid = None
             claimant = caller
-        return self.store.write(agents.hook_event, claimant, params)
+        if self.outbox is None:
+            return self.store.write(agents.hook_event, claimant, params)
+        return self._filed_or_queued(claimant, params)  # type: ignore[return-value]
+
+    async def _filed_or_queued(
+        self, claimant: Caller, params: m.HookEventParams
+    ) -> m.HookEventResult:
+        """On a shared store: with the store unreachable, the event waits in the outbox
+        (daemon/outbox.py) and the hook is answered at once, deciding nothing."""
+        assert self.outbox is not None
+        if self.store.reachable and not self.outbox.queued:  # queued ones stay first
+            try:
+                return await self.store.write(agents.hook_event, claimant, params)
+            except Unavailable as exc:
+                if not store_unreachable(exc):
+                    raise
+        self.outbox.put(claimant.principal, params)
+        return m.HookEventResult(
+            event_id=0, at=now_ms(), session_id=None, queued=True,
+            reason="towerd's shared store is unreachable: the event is queued and filed "
+            "when it returns; nothing was checked",
+        )  # fmt: skip
+
+    async def forward_outbox(self) -> int:
+        """File the queued hook events, in order, once the store answers again."""
+        if self.outbox is None or not self.outbox.queued:
+            return 0
+
+        async def write(principal: str, params: m.HookEventParams) -> Any:
+            caller = Caller(principal=principal, pid=0, holder=None)
+            return await self.store.write(agents.hook_event, caller, params)
+
+        return await self.outbox.forward(write)
 
     def path_claim(self, caller: Caller, params: m.PathClaimParams) -> Future[m.PathClaimResult]:
         claimant = _with_lineage(_holding_for(caller, params.agent_pid, "agent_pid"))
@@ -332,7 +389,7 @@ class Handlers:
         return m.EffectSettleResult(outcomes=await self.prober.settle(params))
 
     async def doctor(self, caller: Caller, params: m.DoctorParams) -> m.DoctorResult:
-        return await self.store.on_own_connection(upkeep.health, params.full)
+        return await self.store.doctor(params.full)
 
 
 def _holding_for(caller: Caller, pid: int | None, field: str) -> Caller:

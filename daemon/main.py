@@ -5,6 +5,7 @@ systemd is told not to restart on 78."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 import signal
@@ -37,6 +38,7 @@ from towerd.daemon.maintenance import (
     expire_periodically,
     guard_periodically,
 )
+from towerd.daemon.outbox import Outbox
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.probes import Prober
 from towerd.daemon.server import Server
@@ -44,6 +46,7 @@ from towerd.daemon.store import open_store
 from towerd.daemon.store.tx import now_ms
 from towerd.daemon.watch import WatchHub
 from towerd.protocol import VERSION
+from towerd.protocol.errors import TooSlow
 
 EXIT_OK = 0
 EXIT_ALREADY_RUNNING = 75  # EX_TEMPFAIL
@@ -146,6 +149,8 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
     )
     upkeep = Upkeep()
     handlers.upkeep = upkeep
+    if not store.one_box:  # a shared store can be out of reach: hook events wait for it
+        handlers.outbox = Outbox(store.config.state_dir)
     sweep = LivenessSweep(store, config.holder_check_interval, upkeep)
     prober = Prober(store, config.probe_interval, upkeep, config.probe_timeout)
     handlers.prober = prober
@@ -163,26 +168,54 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         hub.publish(changes)
 
     store.on_changes = on_changes
-    async with anyio.create_task_group() as tasks:
-        await tasks.start(server.serve, listening)
-        tasks.start_soon(sweep.run)
-        tasks.start_soon(prober.run)  # its first pass runs beside READY, never before it
-        tasks.start_soon(expire_periodically, store, config.expiry_interval, upkeep)
-        if store.backend == "sqlite":  # a WAL file to keep small
-            tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval, upkeep)
-        tasks.start_soon(guard_periodically, store, handlers.clock_steps, upkeep)
-        tasks.start_soon(_stop_when_superseded, store, stop)
-        tasks.start_soon(_stop_when_store_lost, store, stop)
-        interval = systemd.watchdog_interval()
-        if interval:
-            tasks.start_soon(_watchdog, store, interval, upkeep)
-        systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
-        log.info("serving", socket=str(socket_path), pid=os.getpid(), version=VERSION)
-        await stop.event.wait()
-        systemd.notify(f"STOPPING=1\nSTATUS=stopping: {stop.reason}")
-        log.info("stopping", reason=stop.reason)
-        await server.drain(config.shutdown_grace)
-        tasks.cancel_scope.cancel()
+    listener = _listen_to_other_boxes(store, hub)
+    try:
+        async with anyio.create_task_group() as tasks:
+            await tasks.start(server.serve, listening)
+            tasks.start_soon(sweep.run)
+            tasks.start_soon(prober.run)  # its first pass runs beside READY, never before it
+            tasks.start_soon(expire_periodically, store, config.expiry_interval, upkeep)
+            if store.backend == "sqlite":  # a WAL file to keep small
+                tasks.start_soon(checkpoint_periodically, store, config.checkpoint_interval, upkeep)
+            tasks.start_soon(guard_periodically, store, handlers.clock_steps, upkeep)
+            if handlers.outbox is not None:
+                tasks.start_soon(_forward_outbox, handlers, upkeep)
+            tasks.start_soon(_stop_when_superseded, store, stop)
+            tasks.start_soon(_stop_when_store_lost, store, stop)
+            interval = systemd.watchdog_interval()
+            if interval:
+                tasks.start_soon(_watchdog, store, interval, upkeep)
+            systemd.notify(f"READY=1\nSTATUS=serving on {socket_path}\nMAINPID={os.getpid()}")
+            log.info("serving", socket=str(socket_path), pid=os.getpid(), version=VERSION)
+            await stop.event.wait()
+            systemd.notify(f"STOPPING=1\nSTATUS=stopping: {stop.reason}")
+            log.info("stopping", reason=stop.reason)
+            await server.drain(config.shutdown_grace)
+            tasks.cancel_scope.cancel()
+    finally:
+        if listener is not None:
+            await anyio.to_thread.run_sync(listener.stop)
+
+
+def _listen_to_other_boxes(store, hub: WatchHub) -> Any:
+    """On a shared store: other boxes' changes reach this box's watchers; a change that
+    cannot be relayed ends every watch (too_slow: reconnect for a fresh snapshot)."""
+    if store.one_box:
+        return None
+    from towerd.daemon.store.pg_changes import ChangeListener
+
+    def gap(why: str) -> None:
+        ended = hub.end_all(TooSlow(
+            f"changes made by other boxes may have been missed ({why}); watch again for "
+            "a fresh snapshot", {"reason": "changes_missed"},
+        ))  # fmt: skip
+        log.warning("watchers_resynced", code="too_slow", reason=why, watchers=ended)
+
+    loop = asyncio.get_running_loop()
+    listener = ChangeListener(store.dsn, store.daemon_id, loop.call_soon_threadsafe,
+                              hub.publish, gap)  # fmt: skip
+    listener.start()
+    return listener
 
 
 def _allow_open_files(wanted: int) -> None:
@@ -200,6 +233,18 @@ async def _stop_on_signals(
         task_status.started()
         async for signum in signals:
             stop.request(f"signal {signal.Signals(signum).name}")
+
+
+OUTBOX_EVERY = 1.0  # seconds between looks at the outbox while events wait in it
+
+
+async def _forward_outbox(handlers: Handlers, upkeep: Upkeep) -> None:
+    """File the hook events queued while the shared store was unreachable, in order,
+    as soon as it answers again (the presence heartbeat finds out within its interval)."""
+    while True:
+        await anyio.sleep(OUTBOX_EVERY)
+        if handlers.store.reachable:
+            await upkeep.attempt("outbox", handlers.forward_outbox)
 
 
 async def _stop_when_superseded(store, stop: StopRequest) -> None:

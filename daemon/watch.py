@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import structlog
 
 from towerd.protocol.envelope import encode_data, encode_error, encode_push
-from towerd.protocol.errors import TooSlow
+from towerd.protocol.errors import TooSlow, TowerdError
 
 log = structlog.get_logger("towerd.watch")
 
@@ -62,6 +62,16 @@ class WatchHub:
         for topic in subscription.topics:
             self._by_topic.setdefault(topic, set()).add(subscription)
         return taken
+
+    def end_all(self, error: TowerdError) -> int:
+        """End every subscription with ``error`` (its watcher reconnects for a fresh
+        snapshot): for when changes may have been missed. Returns how many ended."""
+        subs = {sub for subs in self._by_topic.values() for sub in subs}
+        for sub in subs:
+            self.unsubscribe(sub)
+            if not sub.outlet.is_closing():
+                sub.outlet.close_after(encode_error(sub.request_id, error))
+        return len(subs)
 
     def unsubscribe(self, subscription: Subscription) -> None:
         subscription.active = False

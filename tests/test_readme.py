@@ -113,7 +113,7 @@ def test_quick_start_install_line_waits_for_the_install_then_backgrounds_the_dae
             )
         seen_when_it_returned = events.read_text().splitlines() if events.exists() else []
         assert shell.returncode == 0, terminal.read_text()
-        assert "pip-finished install -e .[fast,test]" in seen_when_it_returned, (
+        assert "pip-finished install -e .[fast,test,postgresql]" in seen_when_it_returned, (
             f"the line returned before the install finished: {seen_when_it_returned}"
         )
         towerd = int(wait_for(lambda: _pid(clone), what="towerd started"))

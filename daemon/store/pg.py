@@ -23,6 +23,7 @@ dependency, never a client's).
 from __future__ import annotations
 
 import functools
+import socket
 from typing import Any
 
 import psycopg
@@ -121,11 +122,28 @@ class PgConnection:
         assert row is not None
         return int(row[0])
 
+    def interrupt(self) -> None:
+        """From any thread: shut the connection's socket down, so that a statement
+        waiting on it (in another thread) fails now with a connection error and the
+        connection counts as broken. For a path that is silent but still acknowledges
+        packets, where neither ``tcp_user_timeout`` nor keepalives ever fire."""
+        try:
+            fd = self.raw.pgconn.socket
+        except psycopg.OperationalError:
+            return  # closed already
+        sock = socket.socket(fileno=fd)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more
+        finally:
+            sock.detach()  # the descriptor stays libpq's
+
     def close(self) -> None:
         self.raw.close()
 
 
-def connect(dsn: str) -> PgConnection:
+def connect(dsn: str, connect_timeout: int = CONNECT_TIMEOUT_S) -> PgConnection:
     """A connection that gives up within :data:`CONNECT_TIMEOUT_S` when the server is
     unreachable: at connect, on a statement (``statement_timeout``, which also bounds
     the wait for the writer lock), and on a silent network (TCP keepalives and
@@ -135,7 +153,7 @@ def connect(dsn: str) -> PgConnection:
     conn = psycopg.connect(
         dsn,
         autocommit=True,
-        connect_timeout=CONNECT_TIMEOUT_S,
+        connect_timeout=connect_timeout,  # libpq: at least 2 s
         application_name="towerd",
         keepalives=1,
         keepalives_idle=2,

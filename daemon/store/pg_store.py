@@ -23,6 +23,8 @@ import asyncio
 import os
 import socket
 import sqlite3
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -36,14 +38,14 @@ import structlog
 
 from towerd.daemon.clock import Anchor, DaemonClock, boot_id, boottime_ms
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
-from towerd.daemon.store import identity, pg_schema, presence
+from towerd.daemon.store import identity, pg_changes, pg_schema, presence, upkeep
 from towerd.daemon.store.config import StoreConfig
 from towerd.daemon.store.pg import PgConnection, connect, redacted
 from towerd.daemon.store.reconcile import start_daemon
 from towerd.daemon.store.store import Store
 from towerd.daemon.store.tx import STORE_UNREACHABLE, Tx, translate_pg_error, use_clock
 from towerd.protocol.errors import Unavailable
-from towerd.protocol.methods import ReconcileReport
+from towerd.protocol.methods import DoctorResult, KeyCounts, ReconcileReport
 
 T = TypeVar("T")
 
@@ -52,33 +54,79 @@ log = structlog.get_logger("towerd.store")
 
 class _PgThread:
     """One PostgreSQL connection, used by one worker thread at a time; reconnected at
-    the next use after it broke (the writer re-checks its epoch in every batch)."""
+    the next use after it broke (the writer re-checks its epoch in every batch).
+
+    A call still in its thread :data:`STUCK_AFTER_S` after it started has its socket shut
+    down from the loop: libpq's own timeouts (daemon/store/pg.py) end a call only when
+    the network drops packets; a path that still acknowledges them but never answers (a
+    hung server or middlebox, a frozen proxy) would hold the thread until it heals, and
+    the writer with it: every later write waits behind it, and the daemon cannot stop.
+    Every caller of such a call was answered ``unavailable`` at its deadline already."""
 
     def __init__(self, dsn: str) -> None:
         self._dsn = dsn
         self._conn: PgConnection | None = None
         self._limiter = anyio.CapacityLimiter(1)
+        self._lock = threading.Lock()  # an abandoned call's thread may still be inside
+        self._calls = 0
+        self._busy: tuple[int, PgConnection, float] | None = None  # in a thread since
 
     @classmethod
     async def open(cls, dsn: str) -> _PgThread:
         thread = cls(dsn)
-        await thread.run(lambda conn: None)
+        await thread.run(_connected)  # raises psycopg.Error if the server cannot be reached
         return thread
 
-    def _connection(self) -> PgConnection:
-        if self._conn is None or self._conn.broken:
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
-            self._conn = connect(self._dsn)
-        return self._conn
+    def _connection(self) -> PgConnection | _Unconnected:
+        with self._lock:
+            if self._conn is None or self._conn.broken:
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn = None
+                try:
+                    self._conn = connect(self._dsn)
+                except ZeroDivisionError as exc:
+                    # Not raised here: the caller's own error handling (a batch failing
+                    # its jobs, a read answering unavailable) meets it at its first
+                    # statement.
+                    return _Unconnected(exc)
+            return self._conn
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        # A read abandoned at its deadline goes on in its thread until libpq's own
-        # timeouts end it (daemon/store/pg.py: within the same 5 s).
-        return await anyio.to_thread.run_sync(
-            lambda: fn(self._connection(), *args), limiter=self._limiter, abandon_on_cancel=True
-        )
+        self._calls += 1
+        call = self._calls
+
+        def in_thread() -> T:
+            conn = self._connection()
+            if isinstance(conn, PgConnection):
+                self._busy = (call, conn, time.monotonic())
+            try:
+                return fn(conn, *args)
+            finally:
+                if self._busy is not None and self._busy[0] == call:
+                    self._busy = None
+
+        watchdog = asyncio.get_running_loop().call_later(STUCK_AFTER_S, self._unstick, call)
+        try:
+            return await anyio.to_thread.run_sync(
+                in_thread, limiter=self._limiter, abandon_on_cancel=True
+            )
+        finally:
+            watchdog.cancel()
+
+    def _unstick(self, call: int) -> None:
+        """On the loop: the call ``call`` is still in its thread; break its connection
+        (the thread's wait on the socket ends at once with a connection error)."""
+        busy = self._busy
+        if busy is None or busy[0] != call:
+            return  # it returned, or it is still waiting for the connection
+        ran = time.monotonic() - busy[2]
+        if ran < STUCK_AFTER_S:  # it waited its turn first: count from its start
+            asyncio.get_running_loop().call_later(STUCK_AFTER_S - ran, self._unstick, call)
+            return
+        log.warning("store_connection_stuck", code="unavailable",
+                    seconds=STUCK_AFTER_S)  # fmt: skip
+        busy[1].interrupt()
 
     async def close(self) -> None:
         conn, self._conn = self._conn, None
@@ -86,7 +134,38 @@ class _PgThread:
             await anyio.to_thread.run_sync(conn.close, limiter=self._limiter)
 
 
+class _Unconnected:
+    """The connection while the server cannot be reached: every statement fails with the
+    error the (re)connect met, exactly as on a connection that broke, and the next use
+    connects again. Before this, a reconnect that failed raised out of the writer task
+    (it runs before the batch's own error handling) and the daemon exited."""
+
+    broken = True
+    failed = False
+    in_transaction = False
+    total_changes = 0
+    server_now = None
+
+    def __init__(self, error: psycopg.Error) -> None:
+        self.error = error
+
+    def execute(self, sql: str, args: Any = ()) -> Any:
+        raise type(self.error)(str(self.error))
+
+    executemany = execute
+
+    def close(self) -> None:
+        pass
+
+
+def _connected(conn: PgConnection | _Unconnected) -> None:
+    if isinstance(conn, _Unconnected):
+        raise conn.error
+
+
 CALL_DEADLINE_S = 5.0  # issue 16: "every call that needs the store answers within 5 s"
+STUCK_AFTER_S = 1000 * CALL_DEADLINE_S  # a call still on its connection then is cut off
+INLINE_BOUND_S = 2  # a read on the event loop's own connection (read_now) is cut off then
 
 
 def _unreachable(why: str) -> Unavailable:
@@ -140,8 +219,64 @@ class PgStore(Store):
             raise _unreachable(self.store_error or "the last transaction failed")
         if self._inline.broken:
             self._inline.close()
-            self._inline = connect(self.dsn)
-        return super().read_now(fn, *args)
+            try:
+                self._inline = connect(self.dsn, connect_timeout=INLINE_BOUND_S)
+            except psycopg.Error as exc:
+                self._mark(exc)
+                raise _unreachable(str(exc).strip().splitlines()[0]) from exc
+        # The loop waits on the network here, and nothing on the loop can end that wait:
+        # a timer thread shuts the socket down once the bound passes (a silent path that
+        # still acknowledges packets would otherwise freeze the whole daemon, ping too,
+        # until it heals).
+        inline, cut = self._inline, threading.Event()
+
+        def cut_off() -> None:
+            cut.set()
+            inline.interrupt()
+
+        timer = threading.Timer(1000, cut_off)
+        timer.daemon = True
+        timer.start()
+        try:
+            return super().read_now(fn, *args)
+        except Unavailable as exc:
+            if not cut.is_set():
+                raise
+            why = f"did not answer a read within {INLINE_BOUND_S:g} s"
+            self.reachable, self.store_error = False, why
+            raise _unreachable(why) from exc
+        finally:
+            timer.cancel()
+
+    async def doctor(self, full: bool) -> DoctorResult:
+        """The database as the server reports it (PostgreSQL checks its own pages; use
+        amcheck for more), or, when it cannot be reached, the daemon's own account."""
+
+        def look(tx: Tx) -> DoctorResult:
+            row = tx.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            version = 0 if row is None else int(row[0])
+            (size,) = tx.conn.execute("SELECT pg_database_size(current_database())").fetchone()
+            return upkeep.ledger_health(
+                tx.conn, now=tx.now, check="postgresql", integrity=["ok"],
+                schema_version=version, supported_schema_version=pg_schema.SCHEMA_VERSION,
+                db_path=self.location, db_bytes=size, wal_bytes=0,
+            )  # fmt: skip
+
+        try:
+            return await self.read(look)
+        except Unavailable as exc:
+            if (exc.data or {}).get("reason") != "store_unreachable":
+                raise
+            return DoctorResult(
+                check="postgresql", integrity=[f"the store is unreachable: {exc}"],
+                schema_version=0, supported_schema_version=pg_schema.SCHEMA_VERSION,
+                db_path=self.location, db_bytes=0, wal_bytes=0, keys=KeyCounts(),
+                unknown_keys=[], oldest_in_progress_at=None,
+            )  # fmt: skip
+
+    def _before_commit(self, conn: Any, tx: Tx) -> None:
+        if tx.changes:  # other boxes' watchers hear of it if and only if it commits
+            pg_changes.notify(conn, self.daemon_id, tx.changes)
 
     def _mark(self, error: BaseException | None) -> None:
         """Whether the server answered: ``status``, ``ping`` and ``doctor`` say so."""

@@ -30,8 +30,11 @@ def _fit(items: list[Any], budget: int) -> tuple[list[Any], bool]:
 
 
 def _fleet(tx: Tx, budget: int) -> dict[str, Any]:
-    sessions, cut = _fit(fleet.list_all(tx), budget * 3 // 4)
-    activity = events.activity_of(tx, [row.session_id for row in sessions], tx.daemon_id).sessions
+    # The rows a fleet read shows by default: this daemon's on the embedded store, every
+    # box's on a shared one (whose changes reach watchers: daemon/store/pg_changes.py).
+    shown = fleet.shown_box(tx, None)
+    sessions, cut = _fit(fleet.list_shown(tx, None), budget * 3 // 4)
+    activity = events.activity_of(tx, [row.session_id for row in sessions], shown).sessions
     return {"sessions": sessions, "activity": activity, "truncated": cut}
 
 

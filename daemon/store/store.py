@@ -38,7 +38,7 @@ from towerd.daemon.clock import DaemonClock
 from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import StartRefused, check_private, ensure_private_dir
 from towerd.daemon.store import clock as clock_record
-from towerd.daemon.store import identity, schema
+from towerd.daemon.store import identity, schema, upkeep
 from towerd.daemon.store.config import StoreConfig
 from towerd.daemon.store.reconcile import start_daemon
 from towerd.daemon.store.tx import (
@@ -51,7 +51,7 @@ from towerd.daemon.store.tx import (
     use_clock,
 )
 from towerd.protocol.errors import StaleEpoch, Unavailable
-from towerd.protocol.methods import ReconcileReport
+from towerd.protocol.methods import DoctorResult, ReconcileReport
 
 T = TypeVar("T")
 
@@ -109,6 +109,8 @@ class Store:
     backend = "sqlite"
     inline_reads = True  # read_now runs on the event loop (a SQLite point read: microseconds)
     one_box = True  # every holder runs on this machine (see tx.own_box)
+    reachable = True  # the database answered its last transaction (a file always does)
+    store_error: str | None = None
 
     def __init__(
         self,
@@ -229,6 +231,10 @@ class Store:
         except self.DB_ERRORS as exc:
             raise _as_wire_error(exc) from exc
 
+    async def doctor(self, full: bool) -> DoctorResult:
+        """`towerctl doctor`'s look at the database: the file, checked on its own connection."""
+        return await self.on_own_connection(upkeep.health, full)
+
     async def on_own_connection(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(db_path, *args)`` (see ``upkeep``) in a worker thread, one at a time."""
         try:
@@ -254,6 +260,8 @@ class Store:
             try:
                 with anyio.CancelScope(shield=True):
                     await self._writer.run(self._run_batch, batch)
+            except self.DB_ERRORS as exc:  # no connection to run it on (PostgreSQL away)
+                _fail_all(batch, self._uncommitted(exc))
             finally:
                 self._batch_in_flight = False
             changes, self._changes = self._changes, []
@@ -304,6 +312,7 @@ class Store:
                 outcome = self._run_jobs(conn, tx, jobs, savepoints=True)
             if outcome == _ABANDONED:
                 return
+            self._before_commit(conn, tx)
             crash_point("batch.before_commit")
             conn.execute("COMMIT")
             crash_point("batch.after_commit")
@@ -318,6 +327,9 @@ class Store:
             if conn.in_transaction and not self._broken(conn):
                 conn.execute("ROLLBACK")
             _fail_all(jobs, self._uncommitted(exc))
+
+    def _before_commit(self, conn: Any, tx: Tx) -> None:
+        """The batch's last statements, in its transaction (none on SQLite)."""
 
     def _batch_now(self, conn: Any) -> int:
         """The clock reading of a batch (after BEGIN): towerd's own clock on SQLite."""

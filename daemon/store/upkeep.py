@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from towerd.daemon.store import schema
 from towerd.protocol.errors import BadArgs, Conflict, StorageFull
@@ -209,44 +210,52 @@ def health(db_path: Path, full: bool) -> DoctorResult:
         conn.execute("PRAGMA query_only = 1")
         integrity = [row[0] for row in conn.execute(f"PRAGMA {check}")]
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        counts = KeyCounts(
-            **dict(conn.execute("SELECT state, count(*) FROM idempotency GROUP BY state"))
+        return ledger_health(
+            conn,
+            check=check,
+            integrity=integrity,
+            schema_version=version,
+            supported_schema_version=schema.SCHEMA_VERSION,
+            db_path=str(db_path),
+            db_bytes=_size(db_path),
+            wal_bytes=_size(wal_path(db_path)),
+            now=int(time.time() * 1000),
         )
-        unknown = [
-            UnknownKey(
-                principal=principal, operation=operation, key=key, effect_ref=ref, updated_at=at
-            )
-            for principal, operation, key, ref, at in conn.execute(
-                """SELECT principal, operation, key, effect_ref, updated_at FROM idempotency
-                   WHERE state = 'outcome_unknown' ORDER BY updated_at LIMIT ?""",
-                (UNKNOWN_SAMPLE,),
-            )
-        ]
-        oldest_in_progress = conn.execute(
-            "SELECT min(created_at) FROM idempotency WHERE state = 'in_progress'"
-        ).fetchone()[0]
-        uncertain = [
-            UncertainEffect(*row)
-            for row in conn.execute(
-                """SELECT effect_key, run_id, action_kind, target_ref, attempt_id, heartbeat_at
-                   FROM effects WHERE status = 'uncertain' ORDER BY heartbeat_at LIMIT ?""",
-                (UNKNOWN_SAMPLE,),
-            )
-        ]
-        live_leases = conn.execute(
-            "SELECT count(*) FROM leases WHERE expires_at > ?", (int(time.time() * 1000),)
-        ).fetchone()[0]
+
+
+def ledger_health(conn: Any, *, now: int, **database: Any) -> DoctorResult:
+    """The ledger's part of `doctor` (keys, unknown keys, uncertain effects, leases), in
+    SQL both backends run; ``database`` is what the backend says of the database itself."""
+    counts = KeyCounts(
+        **dict(conn.execute("SELECT state, count(*) FROM idempotency GROUP BY state").fetchall())
+    )
+    unknown = [
+        UnknownKey(principal=principal, operation=operation, key=key, effect_ref=ref, updated_at=at)
+        for principal, operation, key, ref, at in conn.execute(
+            """SELECT principal, operation, key, effect_ref, updated_at FROM idempotency
+               WHERE state = 'outcome_unknown' ORDER BY updated_at LIMIT ?""",
+            (UNKNOWN_SAMPLE,),
+        ).fetchall()
+    ]
+    oldest_in_progress = conn.execute(
+        "SELECT min(created_at) FROM idempotency WHERE state = 'in_progress'"
+    ).fetchone()[0]
+    uncertain = [
+        UncertainEffect(*row)
+        for row in conn.execute(
+            """SELECT effect_key, run_id, action_kind, target_ref, attempt_id, heartbeat_at
+               FROM effects WHERE status = 'uncertain' ORDER BY heartbeat_at LIMIT ?""",
+            (UNKNOWN_SAMPLE,),
+        ).fetchall()
+    ]
+    live_leases = conn.execute(
+        "SELECT count(*) FROM leases WHERE expires_at > ?", (now,)
+    ).fetchone()[0]
     return DoctorResult(
-        check=check,
-        integrity=integrity,
-        schema_version=version,
-        supported_schema_version=schema.SCHEMA_VERSION,
-        db_path=str(db_path),
-        db_bytes=_size(db_path),
-        wal_bytes=_size(wal_path(db_path)),
         keys=counts,
         unknown_keys=unknown,
         oldest_in_progress_at=oldest_in_progress,
         uncertain_effects=uncertain,
         live_leases=live_leases,
+        **database,
     )

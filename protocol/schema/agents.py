@@ -73,6 +73,9 @@ class HookEventResult(Struct, omit_defaults=True):
     conflicts: list[PathHolder] = []
     leased: list[str] = []  # the paths now leased to the session
     registered: bool = False  # the event registered its session
+    # The shared store was unreachable: the event waits in the daemon's outbox and is
+    # filed when the store returns (event_id 0 until then); nothing was decided.
+    queued: bool = False
 
 
 class PathClaimParams(Struct):

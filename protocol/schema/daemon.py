@@ -42,6 +42,22 @@ class HelloResult(Struct):
 class PingResult(Struct):
     pong: bool
     now: Millis
+    store: str = "reachable"  # the state store as this daemon last found it: or "unreachable"
+
+
+class StoreState(Struct):
+    """Where the state store is and whether it answers (``status``; PostgreSQL may not).
+
+    ``outbox_*``: hook events kept in the state dir while the store is unreachable,
+    forwarded in order when it returns (daemon/outbox.py); dropped past the bound."""
+
+    backend: str  # "sqlite" or "postgresql"
+    location: str  # the database file, or the DSN without its password
+    reachable: bool
+    error: str | None = None  # why not, when it is not
+    outbox_queued: int = 0
+    outbox_dropped: int = 0
+    outbox_forwarded: int = 0
 
 
 class KeyCounts(Struct):
@@ -97,6 +113,7 @@ class StatusResult(Struct):
     reconciliation: ReconcileReport
     clock: ClockReport | None = None
     upkeep: list[UpkeepTask] = []
+    store: StoreState | None = None
 
 
 class ShutdownResult(Struct):

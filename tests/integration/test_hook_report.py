@@ -410,7 +410,8 @@ def test_attention_follows_the_hook_sequence(daemon):
         ]
         assert client.session_activity([quiet])["sessions"] == [
             {"session_id": quiet, "last_activity_at": None, "last_kind": None,
-             "attention": "running", "live": None},
+             "attention": "running", "daemon_id": client.status()["daemon_id"],
+             "live": None},
         ]  # fmt: skip
 
 

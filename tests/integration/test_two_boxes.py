@@ -133,3 +133,24 @@ def test_both_daemons_started_at_once_on_a_fresh_database_migrate_it_once(
         with daemon.client() as client:
             ids.add(client.status()["daemon_id"])
     assert len(ids) == 3
+
+
+def test_a_watcher_on_one_box_hears_of_changes_made_through_the_other(
+    boxes: tuple[Daemon, Daemon],
+) -> None:
+    """Both boxes' rows are in the snapshot; a change made through box a reaches a
+    watcher of box b (LISTEN/NOTIFY), once it committed."""
+    a, b = boxes
+    with a.client() as ca, b.client() as cb_writer:
+        before = ca.session_register(cwd="/a", agent="claude")["session_id"]
+        mine = cb_writer.session_register(cwd="/b", agent="codex")["session_id"]
+        with b.client() as watcher:
+            pushes = watcher.watch(["fleet"], idle_timeout=10)
+            snapshot = next(pushes)["snapshot"]["fleet"]["sessions"]
+            assert {row["session_id"] for row in snapshot} == {before, mine}
+            later = ca.session_register(cwd="/a2", agent="claude")["session_id"]
+            for push in pushes:
+                session = push["data"].get("session") or {}
+                if push["event"] == "fleet" and session.get("session_id") == later:
+                    assert push["data"]["op"] == "upsert" and session["cwd"] == "/a2"
+                    break

@@ -1,0 +1,95 @@
+"""What other boxes changed, told to this box's watchers: PostgreSQL's LISTEN/NOTIFY.
+
+A batch that changed something sends its change notes with ``pg_notify`` in the same
+transaction (so they go out if and only if it commits, in commit order: writers are
+serial across boxes). Every daemon listens on a connection of its own and publishes
+the notes of other boxes to its watchers. A note too big for a notification (8000
+bytes) is sent as a gap instead, and a listener that lost its connection may have
+missed some: in both cases every watcher is ended with ``too_slow`` and reconnects for
+a fresh snapshot, so no watcher ever misses a change silently. A change committed just
+before a watch snapshot may also arrive after it (at least once, never lost).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import psycopg
+import structlog
+
+from towerd.daemon.store.pg import connect
+
+log = structlog.get_logger("towerd.store")
+
+CHANNEL = "towerd_changes"
+MAX_PAYLOAD = 7900  # PostgreSQL's limit is 8000 bytes
+GAP = "gap"
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def notify(conn: Any, daemon_id: str, changes: list[tuple[str, Any]]) -> None:
+    """In the batch's transaction: tell every box what it changed (committed or never)."""
+    payload = base64.b64encode(_encoder.encode([daemon_id, changes])).decode()
+    if len(payload) > MAX_PAYLOAD:
+        payload = f"{GAP} {daemon_id}"
+    conn.execute("SELECT pg_notify(?, ?)", (CHANNEL, payload))
+
+
+class ChangeListener:
+    """A thread listening for other boxes' notes; ``publish`` and ``gap`` are called on
+    the event loop (via ``call``, e.g. ``loop.call_soon_threadsafe``)."""
+
+    def __init__(
+        self,
+        dsn: str,
+        daemon_id: str,
+        call: Callable[..., Any],
+        publish: Callable[[list[tuple[str, Any]]], None],
+        gap: Callable[[str], None],
+    ) -> None:
+        self.dsn, self.daemon_id, self._call = dsn, daemon_id, call
+        self._publish, self._gap = publish, gap
+        self._stop = threading.Event()
+        self._conn: Any = None
+        self._thread = threading.Thread(target=self._run, name="towerd-changes", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)
+
+    def _run(self) -> None:
+        missed = False  # a reconnect after a break: what happened meanwhile is unknown
+        while not self._stop.is_set():
+            try:
+                self._conn = connect(self.dsn)
+                self._conn.raw.execute(f"LISTEN {CHANNEL}")
+                if missed:
+                    self._call(self._gap, "the change listener reconnected")
+                missed = True
+                while not self._stop.is_set():
+                    for note in self._conn.raw.notifies(timeout=0.5, stop_after=64):
+                        self._deliver(note.payload)
+            except psycopg.Error as exc:
+                log.warning("change_listener_lost", code="unavailable", error=str(exc))
+                self._stop.wait(1.0)
+            finally:
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
+
+    def _deliver(self, payload: str) -> None:
+        if payload.startswith(GAP + " "):
+            if payload[len(GAP) + 1 :] != self.daemon_id:
+                self._call(self._gap, "another box's change was too big to relay")
+            return
+        daemon_id, changes = msgspec.msgpack.decode(base64.b64decode(payload))
+        if daemon_id != self.daemon_id:
+            self._call(self._publish, [(topic, data) for topic, data in changes])
