@@ -132,9 +132,17 @@ def fleet_groups(
     snapshot: dict[str, Any],
 ) -> list[tuple[str, list[tuple[int, dict[str, Any], dict[str, Any] | None]]]]:
     """The fleet by repository (cwd, sorted): in each, top-level sessions by attention
-    (needs you first) then newest activity, each followed by its sub-sessions."""
+    (needs you first) then newest activity, each followed by its sub-sessions. With
+    rows of several boxes (a shared store), grouped by box first: ``box <id> <cwd>``."""
     fleet = snapshot.get("fleet", {})
     sessions = fleet.get("sessions", [])
+    several_boxes = len({s.get("daemon_id") for s in sessions}) > 1
+
+    def place(session: dict[str, Any]) -> str:
+        if several_boxes:
+            return f"box {short_id(session.get('daemon_id'))} {session['cwd']}"
+        return str(session["cwd"])
+
     activity = {a["session_id"]: a for a in fleet.get("activity", [])}
     ids = {s["session_id"] for s in sessions}
     children: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -164,9 +172,9 @@ def fleet_groups(
             add(cwd, child, depth + 1)
 
     for top in sorted(tops, key=order):
-        add(top["cwd"], top, 0)
+        add(place(top), top, 0)
     for session in sessions:  # a cycle of parents: still shown, at the top level
-        add(session["cwd"], session, 0)
+        add(place(session), session, 0)
     return sorted(groups.items())
 
 
