@@ -74,22 +74,16 @@ class _PgThread:
     @classmethod
     async def open(cls, dsn: str) -> _PgThread:
         thread = cls(dsn)
-        await thread.run(_connected)  # raises psycopg.Error if the server cannot be reached
+        await thread.run(lambda conn: None)
         return thread
 
-    def _connection(self) -> PgConnection | _Unconnected:
+    def _connection(self) -> PgConnection:
         with self._lock:
             if self._conn is None or self._conn.broken:
                 if self._conn is not None:
                     self._conn.close()
                 self._conn = None
-                try:
-                    self._conn = connect(self._dsn)
-                except ZeroDivisionError as exc:
-                    # Not raised here: the caller's own error handling (a batch failing
-                    # its jobs, a read answering unavailable) meets it at its first
-                    # statement.
-                    return _Unconnected(exc)
+                self._conn = connect(self._dsn)  # psycopg.Error: the caller's to answer
             return self._conn
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -98,8 +92,7 @@ class _PgThread:
 
         def in_thread() -> T:
             conn = self._connection()
-            if isinstance(conn, PgConnection):
-                self._busy = (call, conn, time.monotonic())
+            self._busy = (call, conn, time.monotonic())
             try:
                 return fn(conn, *args)
             finally:
@@ -134,48 +127,14 @@ class _PgThread:
             await anyio.to_thread.run_sync(conn.close, limiter=self._limiter)
 
 
-class _Unconnected:
-    """The connection while the server cannot be reached: every statement fails with the
-    error the (re)connect met, exactly as on a connection that broke, and the next use
-    connects again. Before this, a reconnect that failed raised out of the writer task
-    (it runs before the batch's own error handling) and the daemon exited."""
-
-    broken = True
-    failed = False
-    in_transaction = False
-    total_changes = 0
-    server_now = None
-
-    def __init__(self, error: psycopg.Error) -> None:
-        self.error = error
-
-    def execute(self, sql: str, args: Any = ()) -> Any:
-        raise type(self.error)(str(self.error))
-
-    executemany = execute
-
-    def close(self) -> None:
-        pass
-
-
-def _connected(conn: PgConnection | _Unconnected) -> None:
-    if isinstance(conn, _Unconnected):
-        raise conn.error
-
-
 CALL_DEADLINE_S = 5.0  # issue 16: "every call that needs the store answers within 5 s"
-STUCK_AFTER_S = 1000 * CALL_DEADLINE_S  # a call still on its connection then is cut off
+STUCK_AFTER_S = 2 * CALL_DEADLINE_S  # a call still on its connection then is cut off
 INLINE_BOUND_S = 2  # a read on the event loop's own connection (read_now) is cut off then
 
 
 def _unreachable(why: str) -> Unavailable:
     return Unavailable(STORE_UNREACHABLE.format(why=f" ({why})"),
                        {"reason": "store_unreachable", "retry": "same_key"})  # fmt: skip
-
-
-def _give_up(future: asyncio.Future[Any], why: str) -> None:
-    if not future.done():
-        future.set_exception(_unreachable(f"the write {why} {CALL_DEADLINE_S:g} s"))
 
 
 class _NoFiles:
@@ -234,7 +193,7 @@ class PgStore(Store):
             cut.set()
             inline.interrupt()
 
-        timer = threading.Timer(1000, cut_off)
+        timer = threading.Timer(INLINE_BOUND_S, cut_off)
         timer.daemon = True
         timer.start()
         try:
@@ -299,11 +258,17 @@ class PgStore(Store):
         same key is safe), so a caller never waits on an unreachable server for long."""
         future = super().write(fn, *args)
         if not future.done():
-            handle = asyncio.get_running_loop().call_later(
-                CALL_DEADLINE_S, _give_up, future, "did not commit within"
-            )
+            handle = asyncio.get_running_loop().call_later(CALL_DEADLINE_S, self._give_up, future)
             future.add_done_callback(lambda _done: handle.cancel())
         return future
+
+    def _give_up(self, future: asyncio.Future[Any]) -> None:
+        """A write's deadline: it did not commit in time, so the store counts as
+        unreachable (status, ping, the outbox) until a transaction gets through again."""
+        if not future.done():
+            why = f"the write did not commit within {CALL_DEADLINE_S:g} s"
+            self.reachable, self.store_error = False, why
+            future.set_exception(_unreachable(why))
 
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         with anyio.move_on_after(CALL_DEADLINE_S):
