@@ -125,7 +125,7 @@ def test_ping(daemon):
         before = time.time_ns() // 1_000_000
         answer = c.ping()
         after = time.time_ns() // 1_000_000
-    assert set(answer) == {"pong", "now"}
+    assert set(answer) == {"pong", "now", "store"} and answer["store"] == "reachable"
     assert answer["pong"] is True
     assert before - 1000 <= answer["now"] <= after + 1000
 
