@@ -2,12 +2,13 @@
 
 A batch that changed something sends its change notes with ``pg_notify`` in the same
 transaction (so they go out if and only if it commits, in commit order: writers are
-serial across boxes). Every daemon listens on a connection of its own and publishes
-the notes of other boxes to its watchers. A note too big for a notification (8000
-bytes) is sent as a gap instead, and a listener that lost its connection may have
-missed some: in both cases every watcher is ended with ``too_slow`` and reconnects for
-a fresh snapshot, so no watcher ever misses a change silently. A change committed just
-before a watch snapshot may also arrive after it (at least once, never lost).
+serial across boxes), split over as many notifications as the 8000-byte limit needs.
+Every daemon listens on a connection of its own and publishes the notes of other boxes
+to its watchers. A single note too big for a notification is sent as a gap instead,
+and a listener that lost its connection may have missed some: in both cases every
+watcher is ended with ``too_slow`` and reconnects for a fresh snapshot, so no watcher
+ever misses a change silently. A change committed just before a watch snapshot may
+also arrive after it (at least once, never lost).
 """
 
 from __future__ import annotations
@@ -33,11 +34,43 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 def notify(conn: Any, daemon_id: str, changes: list[tuple[str, Any]]) -> None:
-    """In the batch's transaction: tell every box what it changed (committed or never)."""
-    payload = base64.b64encode(_encoder.encode([daemon_id, changes])).decode()
-    if len(payload) > MAX_PAYLOAD:
-        payload = f"{GAP} {daemon_id}"
-    conn.execute("SELECT pg_notify(?, ?)", (CHANNEL, payload))
+    """In the batch's transaction: tell every box what it changed (committed or never),
+    in as few notifications as fit the limit, in order; only a single note over the limit
+    is sent as a gap (a busy batch's many small notes are not)."""
+    for payload in _payloads(daemon_id, changes):
+        conn.execute("SELECT pg_notify(?, ?)", (CHANNEL, payload))
+
+
+def _encoded(daemon_id: str, changes: list[tuple[str, Any]]) -> str:
+    return base64.b64encode(_encoder.encode([daemon_id, changes])).decode()
+
+
+def _payloads(daemon_id: str, changes: list[tuple[str, Any]]) -> list[str]:
+    """Each change encoded once; chunks kept under the limit by their encoded sizes (an
+    array header and base64's 4/3 on top, with room to spare)."""
+    whole = _encoded(daemon_id, changes)
+    if len(whole) <= MAX_PAYLOAD:
+        return [whole]
+    budget = MAX_PAYLOAD * 3 // 4 - len(daemon_id) - 32
+    payloads: list[str] = []
+    chunk: list[tuple[str, Any]] = []
+    size = 0
+    for change in changes:
+        cost = len(_encoder.encode(change))
+        if cost > budget:
+            if chunk:
+                payloads.append(_encoded(daemon_id, chunk))
+                chunk, size = [], 0
+            payloads.append(f"{GAP} {daemon_id}")
+            continue
+        if chunk and size + cost > budget:
+            payloads.append(_encoded(daemon_id, chunk))
+            chunk, size = [], 0
+        chunk.append(change)
+        size += cost
+    if chunk:
+        payloads.append(_encoded(daemon_id, chunk))
+    return payloads
 
 
 class ChangeListener:

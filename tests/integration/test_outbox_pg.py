@@ -131,3 +131,24 @@ async def test_forwarding_stops_at_an_unreachable_store_and_keeps_the_order(
     assert [e.params.payload for e in Outbox(tmp_path).events] == [2, 3]
     assert await outbox.forward(write) == 2
     assert seen == [0, "down", 2, 3] and outbox.dropped == 1 and not outbox.events
+
+
+def test_a_busy_batchs_notes_are_split_over_notifications_and_only_a_huge_one_is_a_gap() -> None:
+    """The relay of change notes between boxes (daemon/store/pg_changes.py): many small
+    notes fit in several notifications, in order; only one note over the limit is a gap."""
+    import base64
+
+    import msgspec
+
+    from towerd.daemon.store.pg_changes import GAP, MAX_PAYLOAD, _payloads
+
+    small = [("idem", {"key": f"k{n}", "pad": "x" * 200}) for n in range(200)]
+    payloads = _payloads("box-a", small)
+    assert len(payloads) > 1 and all(len(p) <= MAX_PAYLOAD for p in payloads)
+    relayed = [
+        tuple(change) for p in payloads for change in msgspec.msgpack.decode(base64.b64decode(p))[1]
+    ]
+    assert relayed == [(topic, data) for topic, data in small]  # all, in order
+    huge = [("idem", {"key": "a"}), ("events", {"payload": "y" * 20_000}), ("idem", {"key": "b"})]
+    kinds = [p.startswith(GAP) for p in _payloads("box-a", huge)]
+    assert kinds == [False, True, False]
