@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -68,7 +69,11 @@ def pg_cluster() -> Iterator[PgCluster]:
     from pg_cluster import PgCluster, postgres_available, require_postgres
 
     require_postgres(postgres_available())
-    with PgCluster() as cluster:
+    # In memory when it can be: copying a database (one per PostgreSQL test) takes
+    # ~15 ms on tmpfs against ~300 ms on this machine's /tmp. Nothing here tests the
+    # durability of this cluster: the tests that kill PostgreSQL start their own.
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK | os.X_OK) else "/tmp"
+    with PgCluster(base=base) as cluster:
         yield cluster
 
 
