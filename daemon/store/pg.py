@@ -92,13 +92,6 @@ class PgConnection:
             self.total_changes += cursor.rowcount
         return cursor
 
-    def executemany(self, sql: str, rows: Any) -> psycopg.Cursor[Any]:
-        cursor = self.raw.cursor()
-        cursor.executemany(translate(sql), [_arguments(row) for row in rows])
-        if cursor.rowcount > 0:
-            self.total_changes += cursor.rowcount
-        return cursor
-
     @property
     def in_transaction(self) -> bool:
         """Like sqlite3's; a transaction PostgreSQL aborted (an error) still counts: it
