@@ -1,6 +1,11 @@
 """Durable writes under concurrency: towerd against SQLite opened directly.
 
     .venv/bin/python bench/writes.py [--seconds 5] [--clients 1,8,64] [--quick]
+    .venv/bin/python bench/writes.py --stages [--clients 1,8]
+
+``--stages`` measures where one write's time goes instead (daemon/stages.py): the
+daemon with ``TOWERD_STAGE_TRACE`` under N client processes, and the store engine
+in-process, each write stamped from the socket read to the reply write.
 
 One op is an idempotent claim then complete of a fresh key (one completed row).
 For each N, every measurement on a fresh state dir or database file:
@@ -40,6 +45,7 @@ and SQLite all share this machine's cores.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -143,18 +149,30 @@ def towerd_tasks(index: int, n: int, socket_path: Path, sync: Sync) -> Outcome:
     return len(latencies), latencies, 0
 
 
-def store_engine(index: int, n: int, state_dir: Path, sync: Sync) -> Outcome:
+def store_engine(index: int, n: int, arg: tuple[Path, Path | None], sync: Sync) -> Outcome:
     """towerd's store in-process: N tasks, no socket, no client. What the daemon's write
-    engine (group commit) can do when nothing else shares the machine's two cores."""
+    engine (group commit) can do when nothing else shares the machine's two cores. With
+    a trace file, each write is stamped (daemon/stages.py) and the summary written there."""
+    import json
+
     import anyio
 
+    from towerd.daemon import stages
     from towerd.daemon.store import StoreConfig, idempotency, open_store
     from towerd.daemon.store.idempotency import Holder
     from towerd.daemon.store.tx import Caller
     from towerd.protocol.methods import IdemClaimParams, IdemCompleteParams
 
+    state_dir, trace_path = arg
     latencies = array("d")
     caller = Caller(principal="p", pid=os.getpid(), holder=Holder(os.getpid(), 0))
+    trace = stages.enable() if trace_path else None
+
+    async def write(store: Any, fn: Any, params: Any) -> None:
+        future = store.write(fn, caller, params)
+        await future
+        if trace is not None:  # no socket: the reply is "written" once the caller has it
+            trace.finish(trace.answering.pop(id(future)))
 
     async def main() -> None:
         async with open_store(StoreConfig(state_dir)) as store:
@@ -164,12 +182,10 @@ def store_engine(index: int, n: int, state_dir: Path, sync: Sync) -> Outcome:
                 while True:
                     key = f"t{task}-{i}"
                     started = time.monotonic()
-                    await store.write(
-                        idempotency.claim, caller, IdemClaimParams(operation=OPERATION, key=key)
-                    )
-                    await store.write(
+                    await write(store, idempotency.claim, IdemClaimParams(OPERATION, key))
+                    await write(
+                        store,
                         idempotency.complete,
-                        caller,
                         IdemCompleteParams(operation=OPERATION, key=key, result={"i": i}),
                     )
                     finished = time.monotonic()
@@ -184,6 +200,8 @@ def store_engine(index: int, n: int, state_dir: Path, sync: Sync) -> Outcome:
                     tasks.start_soon(one_client, task, deadline)
 
     anyio.run(main, backend="asyncio", backend_options={"use_uvloop": True})
+    if trace is not None and trace_path is not None:
+        trace_path.write_text(json.dumps(trace.summary()))
     return len(latencies), latencies, 0
 
 
@@ -417,9 +435,12 @@ def fresh_dir(root: Path, name: str) -> Path:
     return path
 
 
-def measure_towerd(root: Path, n: int, seconds: float, tasks: bool) -> Sample:
+def measure_towerd(
+    root: Path, n: int, seconds: float, tasks: bool, trace_path: Path | None = None
+) -> Sample:
     workdir = fresh_dir(root, f"towerd-{'tasks' if tasks else 'procs'}-{n}")
-    daemon = Daemon(workdir)
+    env = {"TOWERD_STAGE_TRACE": str(trace_path)} if trace_path else {}
+    daemon = Daemon(workdir, env=env)
     if not daemon.start():
         raise RuntimeError(f"towerd did not start; see {workdir / 'daemon.log'}")
     try:
@@ -448,9 +469,10 @@ def measure_direct(root: Path, n: int, seconds: float) -> Sample:
     return sample
 
 
-def measure_engine(root: Path, n: int, seconds: float) -> Sample:
+def measure_engine(root: Path, n: int, seconds: float, trace_path: Path | None = None) -> Sample:
     state_dir = fresh_dir(root, f"engine-{n}")
-    return measure("towerd store engine, no socket", store_engine, 1, n, state_dir, seconds)
+    label = "towerd store engine, no socket"
+    return measure(label, store_engine, 1, n, (state_dir, trace_path), seconds)
 
 
 def measure_floor(root: Path, n: int, seconds: float, mode: str) -> Sample:
@@ -578,15 +600,65 @@ def _report_bounds(samples: list[Sample], baseline: Sample | None, ceiling: Samp
         )
 
 
+def measure_stages(root: Path, counts: list[int], seconds: float) -> None:
+    """Where one write's time goes (daemon/stages.py), through the daemon and in the
+    engine alone, at each N: a row per stage, the mean and p50 in microseconds."""
+    from towerd.daemon.stages import STAGES
+
+    columns: list[tuple[str, Sample, dict[str, Any]]] = []
+    for n in counts:
+        for engine in (False, True):
+            trace_path = root / f"stages-{'engine' if engine else 'daemon'}-{n}.json"
+            if engine:
+                sample = measure_engine(root, n, seconds, trace_path)
+            else:
+                sample = measure_towerd(root, n, seconds, tasks=False, trace_path=trace_path)
+            summary = json.loads(trace_path.read_text())
+            columns.append((f"{'engine' if engine else 'daemon'} N={n}", sample, summary))
+    print("where one write's time goes (us; mean / p50), claim and complete alike:")
+    header = f"{'stage':<20}" + "".join(f"{label:>22}" for label, _, _ in columns)
+    print(header)
+    print("-" * len(header))
+    for name, _, _ in STAGES:
+        cells = []
+        for _, _, summary in columns:
+            stage = summary["stages"].get(name, {})
+            cells.append(
+                f"{stage['mean']:>10.1f} / {stage['p50']:>8.1f}" if stage.get("count") else "-"
+            )
+        print(f"{name:<20}" + "".join(f"{cell:>22}" for cell in cells))
+    sizes = [f"{s['batch_size'].get('mean', 0):>10.1f} / {s['batch_size'].get('p50', 0):>8.0f}"
+             for _, _, s in columns]  # fmt: skip
+    print(f"{'writes per batch':<20}" + "".join(f"{cell:>22}" for cell in sizes))
+    rates = [f"{sample.rate:>21.0f}" for _, sample, _ in columns]
+    print(f"{'ops/s (traced)':<20}" + "".join(f"{cell:>22}" for cell in rates))
+    print(
+        "\nstages: decode + route (socket read to the writer's queue), queue wait (to the "
+        "batch that takes it), hop to db thread, statements (BEGIN, epoch check, the store "
+        "functions), commit (COMMIT with its fsync), hop back (to the event loop), publish + "
+        "resolve (change notes, the caller's future), encode + write (the reply on the "
+        "socket; the engine has no socket: 0). Tracing costs a few us per write."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=None, help="window per measurement (5)")
     parser.add_argument("--clients", default="1,8,64", help="comma-separated N (1,8,64)")
     parser.add_argument("--quick", action="store_true", help="1.5 s windows: a smoke run")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directories")
+    parser.add_argument("--stages", action="store_true", help="where each write's time goes")
     args = parser.parse_args()
     seconds = args.seconds or (1.5 if args.quick else 5.0)
     counts = [int(n) for n in args.clients.split(",")]
+    if args.stages:
+        print(machine())
+        root = Path(tempfile.mkdtemp(prefix="towerd-stages-"))
+        try:
+            measure_stages(root, counts, seconds)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
 
     print(machine())
     print(

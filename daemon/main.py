@@ -20,7 +20,7 @@ import anyio
 import msgspec
 import structlog
 
-from towerd.daemon import systemd
+from towerd.daemon import stages, systemd
 from towerd.daemon.config import DaemonConfig, parse_args
 from towerd.daemon.handlers import DaemonInfo, Handlers
 from towerd.daemon.instance import AlreadyRunning, InstanceLock
@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         code = anyio.run(run_daemon, config, backend="asyncio", backend_options=_backend_options())
+        stages.write_summary()  # TOWERD_STAGE_TRACE (bench/writes.py --stages): else nothing
     except BaseException as exc:  # noqa: BLE001 - refusals may arrive inside exception groups
         refused = _first(exc, StartRefused)
         if refused is None:

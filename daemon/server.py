@@ -44,6 +44,7 @@ import anyio
 import msgspec
 import structlog
 
+from towerd.daemon import stages
 from towerd.daemon.handlers import Caller, Handlers
 from towerd.daemon.listen import BACKLOG
 from towerd.daemon.processes import holder_of, peer_credentials
@@ -241,7 +242,12 @@ class Connection(asyncio.Protocol):
         if self.finishing or self.caller is None:
             return
         self.decoder.append(data)
+        if stages.TRACE is None:
+            self.dispatch()
+            return
+        stages.TRACE.last_read = stages.now_ns()
         self.dispatch()
+        stages.TRACE.last_read = 0
 
     def eof_received(self) -> bool:
         # Reading pauses while frames wait undispatched, so every frame before the EOF
@@ -388,6 +394,8 @@ class Connection(asyncio.Protocol):
             self.answer_failure(request, error, started)
         else:
             self.answer(request, future.result(), started)
+        if stages.TRACE is not None and (stamps := stages.TRACE.answering.pop(id(future), None)):
+            stages.TRACE.finish(stamps)
         self.after_answer()
 
     def after_answer(self) -> None:

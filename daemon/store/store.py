@@ -34,6 +34,7 @@ import aiosqlite
 import anyio
 import structlog
 
+from towerd.daemon import stages
 from towerd.daemon.clock import DaemonClock
 from towerd.daemon.crashpoints import crash_point
 from towerd.daemon.private_paths import StartRefused, check_private, ensure_private_dir
@@ -96,6 +97,7 @@ class _Job:
     future: asyncio.Future[Any]
     result: Any = None
     error: BaseException | None = None
+    stamps: list[int] | None = None  # daemon/stages.py, when tracing
 
 
 class Store:
@@ -139,6 +141,7 @@ class Store:
         self.on_changes: Callable[[list[tuple[str, Any]]], None] | None = None
         self._changes: list[tuple[str, Any]] = []
         self._batch_in_flight = False
+        self._batch_stamps = [0] * len(stages.STAMPS)  # the batch in flight's (when tracing)
         self._at_rest: list[Callable[[], None]] = []
         # The files as opened: a database deleted or replaced under the daemon is
         # noticed after each commit and by check_files(), and nothing more is answered.
@@ -174,7 +177,10 @@ class Store:
                 Unavailable("towerd is shutting down; retry against the next daemon")
             )
             return future
-        self._queue.append(_Job(fn, args, future))
+        job = _Job(fn, args, future)
+        if stages.TRACE is not None:
+            job.stamps = stages.TRACE.new_stamps()
+        self._queue.append(job)
         self._wakeup.set()
         return future
 
@@ -257,6 +263,7 @@ class Store:
             batch = self._queue[: self.config.max_batch]
             del self._queue[: self.config.max_batch]
             self._batch_in_flight = True
+            self._stamp_batch(stages.TAKEN)
             try:
                 with anyio.CancelScope(shield=True):
                     await self._writer.run(self._run_batch, batch)
@@ -264,6 +271,7 @@ class Store:
                 _fail_all(batch, self._uncommitted(exc))
             finally:
                 self._batch_in_flight = False
+            self._stamp_batch(stages.BACK)
             changes, self._changes = self._changes, []
             if changes and self.on_changes is not None:
                 self.on_changes(changes)  # watchers hear no later than the writers
@@ -276,11 +284,27 @@ class Store:
                     job.future.set_exception(job.result.error)  # its writes committed
                 else:
                     job.future.set_result(job.result)
+                if job.stamps is not None:
+                    self._stamp_resolved(job, len(batch))
             self._run_at_rest()
             if self._superseded:
                 self.superseded.set()
             if self.lost_reason is not None:
                 self.lost.set()
+
+    def _stamp_batch(self, stamp: int) -> None:
+        if stages.TRACE is not None:
+            self._batch_stamps[stamp] = stages.now_ns()
+
+    def _stamp_resolved(self, job: _Job, batch_size: int) -> None:
+        """Copy the batch's stamps into the job's; the server stamps its reply."""
+        assert job.stamps is not None and stages.TRACE is not None
+        for stamp in (stages.TAKEN, stages.ON_THREAD, stages.STATEMENTS, stages.COMMITTED,
+                      stages.BACK):  # fmt: skip
+            job.stamps[stamp] = self._batch_stamps[stamp]
+        job.stamps[stages.RESOLVED] = stages.now_ns()
+        job.stamps[stages.BATCH_SIZE] = batch_size
+        stages.TRACE.answering[id(job.future)] = job.stamps
 
     def _run_at_rest(self) -> None:
         callbacks, self._at_rest = self._at_rest, []
@@ -299,6 +323,7 @@ class Store:
         transaction is rolled back and the batch runs again with a savepoint per job.
         A savepoint per job costs ~20% of the batch's SQLite time (bench/writes.py,
         the two floors)."""
+        self._stamp_batch(stages.ON_THREAD)
         try:
             if not self._begin(conn, jobs):
                 return
@@ -314,7 +339,9 @@ class Store:
                 return
             self._before_commit(conn, tx)
             crash_point("batch.before_commit")
+            self._stamp_batch(stages.STATEMENTS)
             conn.execute("COMMIT")
+            self._stamp_batch(stages.COMMITTED)
             crash_point("batch.after_commit")
             lost = self._files.lost()
             if lost is not None:
