@@ -18,6 +18,7 @@ from towerd.protocol.methods import (
 from towerd.protocol.naming import DEFAULT_PREFIX as DEFAULT_BRANCH_PREFIX
 
 DAY_MS = 24 * 60 * 60 * 1000
+DEFAULT_BUSY_TIMEOUT_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class StoreConfig:
     effect_retention_ms: int = 30 * DAY_MS  # committed, failed and aborted effects
     quota_rows: int = 1_000_000  # rows per principal and table (daemon/store/quota.py)
     max_batch: int = 256
+    # SQLite: how long a write batch waits for a write lock another connection holds (a
+    # truncating checkpoint, a process outside towerd) before its callers are refused.
+    busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS
     # Open the store as this daemon id instead of the state dir's own (several
     # daemons sharing one store; tests of ownership between daemons).
     daemon_id: str | None = None

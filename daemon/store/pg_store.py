@@ -150,6 +150,7 @@ class PgStore(Store):
     DB_ERRORS = (sqlite3.Error, psycopg.Error)
     backend = "postgresql"
     inline_reads = False  # a read crosses the network: never on the event loop
+    inline_writes = False  # nor a write: batches run on the writer's thread
     one_box = False  # several boxes' holders: this daemon checks its own box's pids only
 
     def __init__(self, config: StoreConfig, writer: Any, reader: Any, identity: Tx,

@@ -221,6 +221,7 @@ def fitted(result: R, byte_budget: int, *, keep: str = "first") -> R:
 DAEMON = Caller(principal="", pid=0, holder=None)  # the daemon itself, reading for its own ends
 
 
+SQLITE_BUSY = 5
 SQLITE_FULL = 13
 
 

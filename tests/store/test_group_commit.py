@@ -7,7 +7,8 @@ handlers.py), ``fn(tx, caller, params)``; the writer itself runs any ``fn(tx, *a
 
 from __future__ import annotations
 
-import threading
+import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,20 @@ import anyio
 import pytest
 from anyio import wait_all_tasks_blocked
 
-from store_helpers import caller, new_id, opened, query, register, register_params, rows
+from store_helpers import (
+    caller,
+    db_path,
+    new_id,
+    opened,
+    query,
+    register,
+    register_params,
+    rows,
+    store_dsn,
+)
 from towerd.daemon.store import Store, fleet, idempotency
 from towerd.daemon.store.tx import Tx
-from towerd.protocol.errors import Conflict, Unavailable
+from towerd.protocol.errors import Conflict, Internal, Unavailable
 from towerd.protocol.methods import IdemClaimParams
 
 pytestmark = pytest.mark.anyio
@@ -41,26 +52,41 @@ async def submit(store: Store, fn: Any, *args: Any) -> Any:
 
 
 class WriterGate:
-    """Holds the writer inside one batch until released, so the next writes queue up
-    together.
+    """Keeps the writer from committing until released, so the next writes queue up
+    together: another connection holds the store's write lock (SQLite's, taken with
+    BEGIN IMMEDIATE; on PostgreSQL the advisory lock every writer takes), and a first
+    write is submitted. Once every task is blocked, the writer has taken that write and
+    waits for the lock (SQLite: pausing on the loop; PostgreSQL: on its thread); what is
+    submitted next queues for the batch after it."""
 
-    The gate job blocks the database thread on a threading.Event; the test waits for it
-    to be entered through a worker thread, not by sleeping."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def job(self, tx: Tx) -> None:
-        self.entered.set()
-        assert self.release.wait(timeout=30), "gate never released"
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.holder: Any = None
 
     async def close_on(self, store: Store, tasks: anyio.abc.TaskGroup) -> None:
-        tasks.start_soon(submit, store, self.job)
-        await anyio.to_thread.run_sync(self.entered.wait, 30)
+        await store.write(lambda tx: None)  # what the store queued itself is done (presence)
+        dsn = store_dsn(self.root)
+        if dsn is None:
+            self.holder = sqlite3.connect(db_path(self.root), isolation_level=None)
+            self.holder.execute("BEGIN IMMEDIATE")
+        else:
+            import psycopg
+
+            from towerd.daemon.store.pg import WRITE_LOCK
+
+            self.holder = psycopg.connect(dsn, autocommit=True)
+            self.holder.execute("SELECT pg_advisory_lock(%s)", (WRITE_LOCK,))
+        tasks.start_soon(submit, store, lambda tx: None)
+        await wait_all_tasks_blocked()
 
     def open(self) -> None:
-        self.release.set()
+        if isinstance(self.holder, sqlite3.Connection):
+            self.holder.execute("ROLLBACK")
+        else:
+            from towerd.daemon.store.pg import WRITE_LOCK
+
+            self.holder.execute("SELECT pg_advisory_unlock(%s)", (WRITE_LOCK,))
+        self.holder.close()
 
 
 async def test_two_hundred_concurrent_writes_all_commit(short_tmp: Path) -> None:
@@ -86,7 +112,7 @@ async def test_queued_writes_commit_as_one_batch(short_tmp: Path) -> None:
     """Writes that queue while the writer is busy
     run together in the next single transaction."""
     seen: list[Tx] = []
-    gate = WriterGate()
+    gate = WriterGate(short_tmp)
     async with opened(short_tmp) as store:
         async with anyio.create_task_group() as tasks:
             await gate.close_on(store, tasks)
@@ -113,7 +139,7 @@ async def test_batches_respect_max_batch(short_tmp: Path) -> None:
         seen.append((tx, n))
         return n
 
-    gate = WriterGate()
+    gate = WriterGate(short_tmp)
     async with opened(short_tmp, max_batch=10) as store:
         async with anyio.create_task_group() as tasks:
             await gate.close_on(store, tasks)
@@ -153,7 +179,7 @@ async def test_failing_write_fails_alone_while_batch_mates_commit(
             except Conflict as exc:
                 outcomes[label] = exc
 
-        gate = WriterGate()
+        gate = WriterGate(short_tmp)
         async with anyio.create_task_group() as tasks:
             await gate.close_on(store, tasks)
             for n, sid in enumerate(before_ids):
@@ -202,7 +228,7 @@ async def test_plain_exception_fails_only_its_job_and_its_partial_writes_roll_ba
             except Boom as exc:
                 outcomes[label] = exc
 
-        gate = WriterGate()
+        gate = WriterGate(short_tmp)
         async with anyio.create_task_group() as tasks:
             await gate.close_on(store, tasks)
             tasks.start_soon(
@@ -282,7 +308,9 @@ async def test_writes_after_close_are_unavailable(short_tmp: Path) -> None:
 # --- savepoints only when needed ----------------------------------------------------------
 
 
-async def gated_batch(store: Store, calls: list[tuple[str, Callable[..., Any], tuple]]) -> dict:
+async def gated_batch(
+    root: Path, store: Store, calls: list[tuple[str, Callable[..., Any], tuple]]
+) -> dict:
     """Run ``calls`` (label, fn, args) as one batch; each label's result or exception."""
     outcomes: dict[str, Any] = {}
 
@@ -292,7 +320,7 @@ async def gated_batch(store: Store, calls: list[tuple[str, Callable[..., Any], t
         except Exception as exc:  # noqa: BLE001 - the outcome under test
             outcomes[label] = exc
 
-    gate = WriterGate()
+    gate = WriterGate(root)
     async with anyio.create_task_group() as tasks:
         await gate.close_on(store, tasks)
         for label, fn, args in calls:
@@ -322,7 +350,7 @@ async def test_a_write_refused_before_it_changed_anything_costs_its_mates_no_rer
     async with opened(short_tmp) as store:
         calls = [("m0", mate, (0,)), ("m1", mate, (1,)), ("no", refuse, ()),
                  ("m2", mate, (2,)), ("m3", mate, (3,))]  # fmt: skip
-        outcomes = await gated_batch(store, calls)
+        outcomes = await gated_batch(short_tmp, store, calls)
         assert isinstance(outcomes.pop("no"), Conflict)
         assert outcomes == {"m0": 0, "m1": 1, "m2": 2, "m3": 3}
         assert runs == {0: 1, 1: 1, 2: 1, 3: 1}
@@ -350,7 +378,7 @@ async def test_a_write_failing_after_changing_rows_reruns_the_batch_answered_fro
     async with opened(short_tmp) as store:
         store.on_changes = published.extend
         calls = [claim("k0"), claim("k1"), ("boom", insert_then_fail, ()), claim("k2")]
-        outcomes = await gated_batch(store, calls)
+        outcomes = await gated_batch(short_tmp, store, calls)
         assert isinstance(outcomes.pop("boom"), ValueError)
         stored = dict(query(short_tmp, "SELECT key, effect_ref FROM idempotency"))
         assert {key: result.effect_ref for key, result in outcomes.items()} == stored
@@ -361,3 +389,53 @@ async def test_a_write_failing_after_changing_rows_reruns_the_batch_answered_fro
         ]
         assert not [data for topic, data in published if topic == "fleet"]
         assert half_done not in {r.session_id for r in await rows(store)}
+
+
+# --- the write lock held by another connection (SQLite: the writer runs on the loop) -----
+
+
+@pytest.mark.sqlite_only
+async def test_a_write_waiting_for_a_lock_held_elsewhere_leaves_the_loop_free(
+    short_tmp: Path,
+) -> None:
+    """SQLite's write lock held by another process: the batch waits for it without
+    blocking the event loop (a timer on the loop fires on time, a point read answers),
+    and commits once the lock is released."""
+    async with opened(short_tmp) as store:
+        await register(store)  # start-up writes done
+        holder = sqlite3.connect(db_path(short_tmp), isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        session_id = new_id()
+        future = store.write(fleet.insert_session, register_params(session_id=session_id))
+        started = time.monotonic()
+        await anyio.sleep(0.2)  # the writer's turn comes: it finds the lock held
+        assert time.monotonic() - started < 1, "the loop was blocked waiting for the lock"
+        assert not future.done()
+        assert store.read_now(fleet.count_sessions) == 1
+        holder.execute("ROLLBACK")
+        holder.close()
+        with anyio.fail_after(5):
+            assert await future == session_id
+        assert session_id in {row.session_id for row in await rows(store)}
+
+
+@pytest.mark.sqlite_only
+async def test_a_write_lock_held_past_the_busy_timeout_refuses_the_batch_and_writes_nothing(
+    short_tmp: Path,
+) -> None:
+    """Past ``busy_timeout_ms`` the batch's callers are told the database is locked
+    (``internal``, as SQLite's own busy timeout said), nothing of it is written, and the
+    next write, the lock gone, commits."""
+    async with opened(short_tmp, busy_timeout_ms=300) as store:
+        await register(store)
+        holder = sqlite3.connect(db_path(short_tmp), isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        refused = new_id()
+        started = time.monotonic()
+        with pytest.raises(Internal, match="database is locked"):
+            await store.write(fleet.insert_session, register_params(session_id=refused))
+        assert 0.3 <= time.monotonic() - started < 2
+        holder.execute("ROLLBACK")
+        holder.close()
+        assert await register(store) is not None
+        assert refused not in {row.session_id for row in await rows(store)}
