@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import os
 import socket
 import time
@@ -241,13 +240,19 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.finishing or self.caller is None:
             return
-        self.decoder.append(data)
-        if stages.TRACE is None:
+        if stages.TRACE is not None:
+            stages.TRACE.last_read = stages.now_ns()
+        if self.may_dispatch() and (frame := self.decoder.whole_frame(data)) is not None:
+            # The usual case, one whole request (a client waiting for its answer): no
+            # buffering. Nothing was held, so no frame timer runs; only reading may change.
+            self.handle_frame(frame)
+            if not self.finishing:
+                self.update_reading()
+        else:
+            self.decoder.append(data)
             self.dispatch()
-            return
-        stages.TRACE.last_read = stages.now_ns()
-        self.dispatch()
-        stages.TRACE.last_read = 0
+        if stages.TRACE is not None:
+            stages.TRACE.last_read = 0
 
     def eof_received(self) -> bool:
         # Reading pauses while frames wait undispatched, so every frame before the EOF
@@ -379,7 +384,7 @@ class Connection(asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
             self.answer_failure(request, exc, started)
             return
-        if not inspect.isawaitable(outcome):
+        if not hasattr(outcome, "__await__"):  # answered now (inspect.isawaitable: 6x slower)
             self.answer(request, outcome, started)
             return
         future = asyncio.ensure_future(outcome)

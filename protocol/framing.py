@@ -66,6 +66,19 @@ class FrameDecoder:
         if self.error is None:
             self._buffer += data
 
+    def whole_frame(self, data: bytes) -> bytes | None:
+        """``data``'s payload if ``data`` is exactly one whole frame within the limit and
+        nothing is buffered (a peer with one request in flight sends just that), else
+        None and nothing is done: the caller then appends ``data`` as usual."""
+        if self._buffer or self._need is not None or self.error is not None:
+            return None
+        if len(data) < PREFIX_SIZE:
+            return None
+        (length,) = PREFIX.unpack_from(data)
+        if length != len(data) - PREFIX_SIZE or length > self.max_frame:
+            return None
+        return data[PREFIX_SIZE:]
+
     def next_frame(self) -> bytes | None:
         """The next complete frame payload, or None until more bytes arrive. A length
         prefix over the limit sets ``error`` (and returns None), as in :meth:`feed`."""

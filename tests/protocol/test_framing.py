@@ -165,3 +165,30 @@ def test_frames_before_an_oversize_prefix_are_still_delivered() -> None:
     chunk = encode_frame(b"one") + encode_frame(b"two") + struct.pack(">I", 9) + b"x" * 9
     assert decoder.feed(chunk) == [b"one", b"two"]
     assert decoder.error is not None and decoder.error.length == 9
+
+
+@given(st.lists(st.binary(max_size=64), max_size=3), st.binary(max_size=8))
+def test_whole_frame_takes_exactly_one_whole_frame_and_nothing_else(
+    payloads: list[bytes], tail: bytes
+) -> None:
+    """``whole_frame`` returns the payload only when the bytes are exactly one frame and
+    nothing is held; otherwise it returns None and leaves the decoder as it was, so the
+    bytes can be appended as usual and give back the same frames."""
+    data = b"".join(map(encode_frame, payloads)) + tail
+    decoder = FrameDecoder()
+    taken = decoder.whole_frame(data)
+    if len(payloads) == 1 and not tail:
+        assert taken == payloads[0]
+    else:
+        assert taken is None
+        assert decoder.buffered == 0 and not decoder.in_frame
+        assert decoder.feed(data) == payloads
+
+
+def test_whole_frame_leaves_a_started_frame_and_an_oversize_one_to_the_buffer() -> None:
+    """With bytes of a frame already held, or a prefix over the limit, nothing is taken."""
+    decoder = FrameDecoder(max_frame=4)
+    assert decoder.whole_frame(encode_frame(b"12345")) is None  # over the limit
+    assert decoder.error is None  # left for append/next_frame to refuse
+    decoder.append(encode_frame(b"ab")[:3])
+    assert decoder.whole_frame(encode_frame(b"cd")) is None
