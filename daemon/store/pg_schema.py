@@ -417,7 +417,7 @@ def migrate(conn: psycopg.Connection[Any]) -> int:
 
 # A relation ``c`` (of pg_class) that no extension installed: an extension's objects are
 # the extension's, wherever CREATE EXTENSION put them (they go away with DROP EXTENSION).
-_NOT_AN_EXTENSIONS = """NOT EXISTS (
+_NOT_OF_AN_EXTENSION = """NOT EXISTS (
     SELECT 1 FROM pg_depend d
     WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')"""
 
@@ -426,7 +426,7 @@ _NOT_AN_EXTENSIONS = """NOT EXISTS (
 # an extension are an operator's additions: they hold none of towerd's rows.
 _OWN_TABLES = f"""SELECT c.oid, c.relname FROM pg_class c
     WHERE c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
-      AND c.relkind IN ('r', 'p') AND {_NOT_AN_EXTENSIONS}"""
+      AND c.relkind IN ('r', 'p') AND {_NOT_OF_AN_EXTENSION}"""
 
 
 def found_version(conn: psycopg.Connection[Any]) -> int:
@@ -446,7 +446,7 @@ def found_version(conn: psycopg.Connection[Any]) -> int:
         for row in conn.execute(
             f"""SELECT relname FROM pg_class c
                WHERE relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
-                 AND relkind IN ('r', 'p', 'v', 'm', 'f') AND {_NOT_AN_EXTENSIONS}"""
+                 AND relkind IN ('r', 'p', 'v', 'm', 'f') AND {_NOT_OF_AN_EXTENSION}"""
         )
     ]
     if not tables:
