@@ -105,13 +105,24 @@ class PgCluster:
 
     As a context manager it starts on entry and on exit stops and removes its files."""
 
-    def __init__(self, *, durable: bool = False, locale: str = "C", base: str = "/tmp") -> None:
+    def __init__(
+        self,
+        *,
+        durable: bool = False,
+        locale: str = "C",
+        base: str = "/tmp",
+        also_on: tuple[str, str] | None = None,
+    ) -> None:
+        """``also_on``: (an address of this machine, a network in CIDR): the server also
+        listens on that address and trusts clients of that network (a test's network
+        namespace reaching it over a veth pair); the address must exist at start."""
         binaries = bindir()
         if binaries is None:
             raise RuntimeError(postgres_available() or "no PostgreSQL binaries")
         self.bin = binaries
         self.durable = durable
         self.locale = locale
+        self.also_on = also_on
         self.base = base  # where the temp root goes: a short path (socket paths are limited)
         self.as_server_user = os.geteuid() == 0
         self.root: Path | None = None
@@ -343,6 +354,9 @@ class PgCluster:
         if result.returncode != 0:
             output = result.stdout + result.stderr
             raise RuntimeError(f"initdb failed ({result.returncode}):\n{output}")
+        if self.also_on is not None:
+            with open(self.data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {self.also_on[1]} trust\n")
 
     def _forget_unreaped_postmaster(self) -> None:
         """The killed postmaster's parent was pg_ctl, long gone: until whoever inherited
@@ -364,7 +378,7 @@ class PgCluster:
         return " ".join(
             [
                 f"-k {self.sockdir}",
-                "-c listen_addresses=127.0.0.1",
+                f"-c listen_addresses=127.0.0.1{',' + self.also_on[0] if self.also_on else ''}",
                 f"-p {self.port}",
                 f"-c fsync={durable}",
                 f"-c full_page_writes={durable}",

@@ -81,6 +81,9 @@ class Daemon:
         self.notify = NotifySocket(root / f"{name}.notify")
         self.proc: subprocess.Popen[bytes] | None = None
         self.extra_args: list[str] = []
+        # What runs the daemon, e.g. ["ip", "netns", "exec", NAME]: it must exec it, so
+        # that the process started is the daemon (its pid, its signals).
+        self.prefix: list[str] = []
 
     def command(self, *extra: str) -> list[str]:
         return [
@@ -106,7 +109,8 @@ class Daemon:
     def spawn(self, *extra: str, **popen: Any) -> subprocess.Popen[bytes]:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the process's lifetime
         popen.setdefault("env", self.env())
-        return subprocess.Popen(self.command(*extra), stdout=log, stderr=log, **popen)
+        command = [*self.prefix, *self.command(*extra)]
+        return subprocess.Popen(command, stdout=log, stderr=log, **popen)
 
     def start(self, *extra: str, **popen: Any) -> Daemon:
         self.notify.messages.clear()

@@ -9,6 +9,10 @@ and a listener that lost its connection may have missed some: in both cases ever
 watcher is ended with ``too_slow`` and reconnects for a fresh snapshot, so no watcher
 ever misses a change silently. A change committed just before a watch snapshot may
 also arrive after it (at least once, never lost).
+
+The listener hears this box's own notes too, once they committed: they are not
+published again (the writer did), but they are what logs a box this box declared dead
+(daemon/store/presence.py), whether or not the heartbeat's caller was still waiting.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import msgspec
 import psycopg
 import structlog
 
+from towerd.daemon.store import presence
 from towerd.daemon.store.pg import connect
 
 log = structlog.get_logger("towerd.store")
@@ -126,3 +131,5 @@ class ChangeListener:
         daemon_id, changes = msgspec.msgpack.decode(base64.b64decode(payload))
         if daemon_id != self.daemon_id:
             self._call(self._publish, [(topic, data) for topic, data in changes])
+        else:  # this box's own batch, committed: what only its commit may log
+            self._call(presence.log_declared, [(topic, data) for topic, data in changes])

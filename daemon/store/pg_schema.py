@@ -20,7 +20,12 @@ or ``application_id``: ``meta`` holds ``schema_version`` and ``application``.
 
 A database this code does not recognise is refused before anything is written: one
 stamped with a newer version, one with tables but no towerd stamp, one whose tables
-do not have the shape the ladder makes (:func:`check_shape`).
+do not have the shape the ladder makes (:func:`check_shape`). What an operator adds
+beside towerd's tables is not towerd's to judge: an extension's objects
+(``CREATE EXTENSION pg_stat_statements`` puts views into the schema it is installed
+in), and views, which store nothing, are left out of both checks once the schema is
+towerd's; a schema holding anything but an extension's objects is someone else's
+until it has towerd's stamp.
 """
 
 from __future__ import annotations
@@ -410,6 +415,20 @@ def migrate(conn: psycopg.Connection[Any]) -> int:
             )
 
 
+# A relation ``c`` (of pg_class) that no extension installed: an extension's objects are
+# the extension's, wherever CREATE EXTENSION put them (they go away with DROP EXTENSION).
+_NOT_OF_AN_EXTENSION = """NOT EXISTS (
+    SELECT 1 FROM pg_depend d
+    WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'e')"""
+
+# towerd's candidates in the current schema: its base tables (plain or partitioned) that
+# no extension installed. Views, materialized views, foreign tables and every object of
+# an extension are an operator's additions: they hold none of towerd's rows.
+_OWN_TABLES = f"""SELECT c.oid, c.relname FROM pg_class c
+    WHERE c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
+      AND c.relkind IN ('r', 'p') AND {_NOT_OF_AN_EXTENSION}"""
+
+
 def found_version(conn: psycopg.Connection[Any]) -> int:
     """The schema version of the connection's current schema (0: no tables at all).
 
@@ -425,9 +444,9 @@ def found_version(conn: psycopg.Connection[Any]) -> int:
     tables = [
         row[0]
         for row in conn.execute(
-            """SELECT relname FROM pg_class
+            f"""SELECT relname FROM pg_class c
                WHERE relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
-                 AND relkind IN ('r', 'p', 'v', 'm', 'f')"""
+                 AND relkind IN ('r', 'p', 'v', 'm', 'f') AND {_NOT_OF_AN_EXTENSION}"""
         )
     ]
     if not tables:
@@ -519,35 +538,42 @@ def expected_shape(version: int | None = None) -> Shape:
 
 
 def shape_of(conn: psycopg.Connection[Any]) -> Shape:
-    """The current schema's tables with their columns (name, type) and the names of their
-    indexes (not those behind a primary key or unique constraint) and triggers."""
+    """The current schema's base tables (those no extension installed: ``_OWN_TABLES``)
+    with their columns (name, type) and the names of their indexes (not those behind a
+    primary key or unique constraint) and triggers. Views and extensions' objects are
+    not read: information_schema.columns lists a view's columns too, and an extension
+    installed into towerd's schema made every start refused as "unexpected table"."""
     shape: dict[str, tuple[list[tuple[str, str]], set[str]]] = {}
+    for (table,) in conn.execute(f"SELECT relname FROM ({_OWN_TABLES}) own"):
+        shape[table] = ([], set())
     for table, column, data_type in conn.execute(
-        """SELECT table_name, column_name, data_type FROM information_schema.columns
-           WHERE table_schema = current_schema() ORDER BY table_name, ordinal_position"""
+        f"""SELECT table_name, column_name, data_type FROM information_schema.columns
+            WHERE table_schema = current_schema()
+              AND table_name IN (SELECT relname FROM ({_OWN_TABLES}) own)
+            ORDER BY table_name, ordinal_position"""
     ):
-        shape.setdefault(table, ([], set()))[0].append((column, data_type))
+        shape[table][0].append((column, data_type))
     for table, name in conn.execute(
-        """SELECT t.relname, i.relname FROM pg_index x
-           JOIN pg_class i ON i.oid = x.indexrelid
-           JOIN pg_class t ON t.oid = x.indrelid
-           WHERE t.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
-             AND NOT EXISTS (SELECT 1 FROM pg_constraint c
-                             WHERE c.conindid = x.indexrelid AND c.conrelid = x.indrelid)"""
+        f"""SELECT t.relname, i.relname FROM pg_index x
+            JOIN pg_class i ON i.oid = x.indexrelid
+            JOIN ({_OWN_TABLES}) t ON t.oid = x.indrelid
+            WHERE NOT EXISTS (SELECT 1 FROM pg_constraint c
+                              WHERE c.conindid = x.indexrelid AND c.conrelid = x.indrelid)"""
     ):
-        shape.setdefault(table, ([], set()))[1].add(name)
+        shape[table][1].add(name)
     for table, name in conn.execute(
-        """SELECT t.relname, g.tgname FROM pg_trigger g JOIN pg_class t ON t.oid = g.tgrelid
-           WHERE t.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
-             AND NOT g.tgisinternal"""
+        f"""SELECT t.relname, g.tgname FROM pg_trigger g JOIN ({_OWN_TABLES}) t
+            ON t.oid = g.tgrelid WHERE NOT g.tgisinternal"""
     ):
-        shape.setdefault(table, ([], set()))[1].add(f"trigger {name}")
+        shape[table][1].add(f"trigger {name}")
     return {table: (tuple(cols), frozenset(names)) for table, (cols, names) in shape.items()}
 
 
 def check_shape(conn: psycopg.Connection[Any], version: int | None = None) -> None:
     """Refuse a schema whose tables differ from what the ladder makes at ``version``
-    (default: the newest): tables, column names and types, index and trigger names."""
+    (default: the newest): tables, column names and types, index and trigger names.
+    Only base tables count (:func:`shape_of`): an operator's views and extensions beside
+    towerd's tables are theirs; another base table is not towerd's shape."""
     version = SCHEMA_VERSION if version is None else version
     actual, expected = shape_of(conn), expected_shape(version)
     problems = []

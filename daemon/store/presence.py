@@ -10,24 +10,39 @@ from evidence), its leases are freed, its shared in-flight effects parked ``unce
 its workers ``crashed``. A box that comes back finds itself declared dead and serves
 again under a new epoch (pg_store.PgStore); what its holders held stays released, and
 fencing refuses their late commits.
+
+The declaring box logs ``box_declared_dead`` once its transaction committed, from the
+commit itself: the heartbeat sends the declaration with the batch's change notes
+(a topic no watcher can subscribe to), which PostgreSQL delivers, to this box's own
+change listener too (daemon/store/pg_changes.py), if and only if the batch commits.
+Not from the heartbeat's answer: a heartbeat answered ``unavailable`` at its deadline
+may still commit, and its declaration went unlogged.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
 from towerd.daemon.store import idempotency, leases, liveness, reconcile
-from towerd.daemon.store.tx import Tx
+from towerd.daemon.store.tx import Tx, note
 
 log = structlog.get_logger("towerd.store")
 
 
+# The change notes' topic of a declaration: not a watch topic (protocol/fields.py), so
+# no watcher is ever pushed one; only the declaring box's change listener reads it.
+DECLARED_DEAD = "box_declared_dead"
+
+
 @dataclass
 class BeatReport:
-    """What one heartbeat found: the boxes it declared dead, and what they held."""
+    """The heartbeat's answer. It names no box declared dead: those are logged from the
+    committed declaration (:func:`log_declared`), whether or not the heartbeat's caller
+    still waited for this answer when it came."""
 
     declared_dead: list[str] = field(default_factory=list)
     settled: dict[str, liveness.LivenessReport] = field(default_factory=dict)
@@ -35,11 +50,11 @@ class BeatReport:
 
 def beat(tx: Tx) -> BeatReport:
     """A store function (a write): this box is present now; every other box silent for
-    the presence TTL is declared dead and its rows settled, in this transaction."""
+    the presence TTL is declared dead and its rows settled, in this transaction, and the
+    declaration goes out with the batch's change notes (logged once committed)."""
     tx.conn.execute(
         "UPDATE daemons SET presence_at = ? WHERE daemon_id = ?", (tx.now, tx.daemon_id)
     )
-    report = BeatReport()
     lapsed = tx.conn.execute(
         """SELECT daemon_id FROM daemons
            WHERE dead_at IS NULL AND daemon_id <> ? AND presence_at <= ?
@@ -48,9 +63,24 @@ def beat(tx: Tx) -> BeatReport:
     ).fetchall()
     for (box,) in lapsed:
         tx.conn.execute("UPDATE daemons SET dead_at = ? WHERE daemon_id = ?", (tx.now, box))
-        report.declared_dead.append(box)
-        report.settled[box] = settle_box(tx, box)
-    return report
+        settled = settle_box(tx, box)
+        note(tx, DECLARED_DEAD, {
+            "box": box,
+            "declared_at": tx.now,
+            "keys_unknown": len(settled.keys_unknown),
+            "leases_released": len(settled.leases_released),
+            "effects_parked": len(settled.effects_parked),
+            "workers_ended": len(settled.workers_ended),
+        })  # fmt: skip
+    return BeatReport()
+
+
+def log_declared(changes: list[tuple[str, Any]]) -> None:
+    """This box's own committed change notes (the change listener hears them after the
+    commit): log each box it declared dead, and what that box held."""
+    for topic, declared in changes:
+        if topic == DECLARED_DEAD and isinstance(declared, dict):
+            log.warning("box_declared_dead", code="unavailable", **declared)
 
 
 def settle_box(tx: Tx, box: str) -> liveness.LivenessReport:

@@ -705,6 +705,79 @@ def test_a_misshapen_database_is_refused(
     assert words in str(refused.value)
 
 
+# --- what an operator adds beside towerd's tables
+
+# An extension of the Debian server package (contrib): it puts two views and a few
+# functions into the schema it is installed in, which is towerd's when the operator
+# installs it in towerd's database.
+EXTENSION = "pg_stat_statements"
+NEWER = pg_schema.SCHEMA_VERSION + 1
+
+
+def _installed(fresh: _Database) -> None:
+    """``CREATE EXTENSION`` as an operator runs it (the superuser: it is not trusted),
+    into the database's public schema, where towerd keeps its tables."""
+    with fresh.cluster.connect(fresh.name, user="postgres") as admin:
+        admin.execute(f"CREATE EXTENSION {EXTENSION}")
+
+
+def test_an_extension_and_views_beside_towerds_tables_do_not_refuse_the_start(
+    fresh: _Database,
+) -> None:
+    """information_schema.columns lists views too: an extension installed into towerd's
+    database made every start refused as "unexpected table pg_stat_statements"."""
+    pg = fresh.connect()
+    assert pg_schema.migrate(pg) == 0
+    _installed(fresh)
+    pg.execute("CREATE VIEW my_fleet AS SELECT session_id, cwd FROM sessions")
+    pg.execute("CREATE MATERIALIZED VIEW my_keys AS SELECT key FROM idempotency")
+    kinds = dict(pg.execute(
+        "SELECT relname, relkind::text FROM pg_class "
+        "WHERE relnamespace = 'public'::regnamespace AND relkind IN ('v', 'm')"
+    ).fetchall())  # fmt: skip
+    assert kinds == {"pg_stat_statements": "v", "pg_stat_statements_info": "v",
+                     "my_fleet": "v", "my_keys": "m"}  # fmt: skip
+    assert pg_schema.migrate(pg) == pg_schema.SCHEMA_VERSION  # the start: no refusal
+    pg_schema.check_shape(pg)
+    assert pg_schema.shape_of(pg) == pg_schema.expected_shape()
+
+
+def test_an_extension_installed_before_the_first_start_leaves_the_database_empty(
+    fresh: _Database,
+) -> None:
+    """A fresh database holding only an extension's objects is towerd's to climb (it was
+    refused as "not a towerd database")."""
+    _installed(fresh)
+    pg = fresh.connect()
+    assert pg_schema.found_version(pg) == 0
+    assert pg_schema.migrate(pg) == 0
+    pg_schema.check_shape(pg)
+
+
+@pytest.mark.parametrize(
+    "tamper, words",
+    [
+        ("ALTER TABLE messages ADD COLUMN extra TEXT", "extra"),
+        ("CREATE TABLE intruder (x int)", "unexpected table intruder"),
+        ("CREATE INDEX mine ON sessions (cwd)", "mine"),
+        (f"UPDATE meta SET value = '{NEWER}' WHERE key = 'schema_version'", "is newer"),
+        ("DELETE FROM meta WHERE key = 'application'", "not a towerd"),
+    ],
+    ids=["column", "table", "index", "newer", "foreign"],
+)
+def test_beside_an_extension_a_misshapen_newer_or_foreign_database_is_still_refused(
+    fresh: _Database, tamper: str, words: str
+) -> None:
+    pg = fresh.connect()
+    pg_schema.migrate(pg)
+    _installed(fresh)
+    pg.execute("CREATE VIEW my_fleet AS SELECT session_id FROM sessions")
+    pg.execute(tamper)
+    with pytest.raises(StartRefused, match=words):
+        pg_schema.migrate(pg)
+        pg_schema.check_shape(pg)
+
+
 # --- identities and rowid
 
 
