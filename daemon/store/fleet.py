@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from towerd.daemon.processes import Holder
-from towerd.daemon.store import quota
+from towerd.daemon.store import boxes, quota
 from towerd.daemon.store.idempotency import log_operator_action, once_under_key
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
@@ -536,6 +536,22 @@ def agent_session_index(tx: Tx) -> dict[str, str]:
     )
 
 
+def _refuse_a_box_not_dead(tx: Tx, daemon_id: str, presence_at: int, dead_at: int | None) -> None:
+    """On a store several boxes share, only a box declared dead is adopted: a box still
+    present (or lapsed, not yet declared dead) runs its agents, whose pids only it may
+    check; adopted, their liveness would be judged by this box, on the wrong machine."""
+    if tx.one_box:
+        return
+    box_state = boxes.state(tx, daemon_id, presence_at, dead_at)
+    if box_state != "dead":
+        raise Conflict(
+            f"box {daemon_id} is {box_state}, not dead: only a dead box's fleet is adopted. "
+            f"Wait until `towerctl boxes` shows it dead (silent for the presence TTL, "
+            f"{tx.config.presence_ttl_ms // 1000} s), or stop its daemon first",
+            {"daemon_id": daemon_id, "state": box_state},
+        )
+
+
 def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptResult:
     """Move every row of a daemon that is gone for good to this daemon, at its epoch.
 
@@ -544,13 +560,14 @@ def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptR
     if from_daemon_id == tx.daemon_id:
         raise BadArgs("a daemon cannot adopt its own fleet")
     known = tx.conn.execute(
-        "SELECT 1 FROM daemons WHERE daemon_id = ?", (from_daemon_id,)
+        "SELECT presence_at, dead_at FROM daemons WHERE daemon_id = ?", (from_daemon_id,)
     ).fetchone()
     if known is None:
         raise NotFound(
             f"no daemon {from_daemon_id} is recorded in this store",
             {"daemon_id": from_daemon_id},
         )
+    _refuse_a_box_not_dead(tx, from_daemon_id, *known)
     clash = tx.conn.execute(
         """SELECT theirs.session_id, theirs.agent_session_id, ours.session_id
            FROM sessions AS theirs JOIN sessions AS ours

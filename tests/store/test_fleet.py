@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,7 @@ from store_helpers import (
     rows,
 )
 from towerd.daemon.store import Store, fleet, idempotency
+from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch, Unavailable
 from towerd.protocol.methods import (
     UUID_PATTERN,
@@ -64,6 +67,13 @@ async def list_page(store: Store, limit: int, cursor: int | None) -> FleetListRe
 
 
 async def adopt(store: Store, principal: str, daemon_id: str) -> FleetAdoptResult:
+    """fleet.adopt of ``daemon_id``, declared dead first (as a live box does once its
+    presence lapsed): on a shared store only a dead box is adopted."""
+    await store.write(
+        lambda tx: tx.conn.execute(
+            "UPDATE daemons SET dead_at = ? WHERE daemon_id = ?", (tx.now, daemon_id)
+        )
+    )
     return await store.write(fleet.adopt_fleet, caller(principal), FleetAdoptParams(daemon_id))
 
 
@@ -661,6 +671,35 @@ async def test_adopt_moves_the_other_daemons_rows_and_logs_it(short_tmp: Path) -
     async with opened(short_tmp) as store:
         assert store.daemon_id == daemon_a
         assert await rows(store) == []
+
+
+@pytest.mark.parametrize("state", ["present", "lapsed"])
+async def test_a_shared_store_adopts_no_box_that_is_not_dead(short_tmp: Path, state: str) -> None:
+    """On a store several boxes share, a box still present, or silent past the TTL but
+    not yet declared dead, runs agents only it may check: adopting it is refused
+    (conflict, naming its state) and moves nothing. The embedded store has no presence:
+    there the same adoption goes through."""
+    daemon_a, _, top, child = await _fleet_of_daemon_a(short_tmp)
+    async with opened(short_tmp, daemon_id=new_id()) as store:
+        await store.write(  # its last heartbeat: now, or long ago (no one declared it dead)
+            lambda tx: tx.conn.execute(
+                "UPDATE daemons SET presence_at = ? WHERE daemon_id = ?",
+                (tx.now if state == "present" else 0, daemon_a),
+            )
+        )
+
+        def adopt_as(one_box: bool) -> Any:
+            def run(tx: Tx, *args: Any) -> Any:
+                return fleet.adopt_fleet(dataclasses.replace(tx, one_box=one_box), *args)
+
+            return store.write(run, caller("ops"), FleetAdoptParams(daemon_a))
+
+        with pytest.raises(Conflict) as refused:
+            await adopt_as(one_box=False)
+        assert refused.value.data == {"daemon_id": daemon_a, "state": state}
+        assert "towerctl boxes" in refused.value.message
+        assert await rows(store) == []
+        assert (await adopt_as(one_box=True)).adopted == 2
 
 
 async def test_adopt_refuses_unknown_daemon_self_and_agent_session_clash(
