@@ -17,6 +17,18 @@ if TYPE_CHECKING:  # tests/pg_cluster.py is imported only when a test asks for P
     from pg_cluster import Databases, PgCluster
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile towerd's modules once, up front. The tests start hundreds of daemons and
+    towerctl processes; where PYTHONDONTWRITEBYTECODE is set (this sandbox sets it), each
+    of them would compile every module it imports anew: ~130 ms more per daemon start
+    (435 against 565 ms to READY, measured here)."""
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for package in ("protocol", "client", "daemon", "systemd"):
+        compileall.compile_dir(root / package, quiet=1)
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     # aiosqlite runs on asyncio only.
