@@ -153,8 +153,17 @@ def test_top_follows_the_fleet_and_resolves_in_a_real_terminal(make_daemon, shor
                 f"echo EXIT=$? > {exit_file}; stty -a > {stty_file}'"
             )
             # The fleet by repository (sorted), needs-you first within one; both panels.
+            # The key's panel is waited for whole: its columns are sized to what they hold,
+            # and a refresh under load can show a cell cut while the probe's cell changes.
+            key_row = ["", f"uid:{os.geteuid()}:ci", "git.push", "release-7",
+                       "refs/heads/release-7"]  # fmt: skip
             text = screen.wait_for(
-                lambda s: len(fleet(s)) == 3 and EFFECT in s,
+                lambda s: (
+                    len(fleet(s)) == 3
+                    and EFFECT in s
+                    and panel_rows(s, "outcome unknown: 1 key")[1:2] != []
+                    and panel_rows(s, "outcome unknown: 1 key")[1][:5] == key_row
+                ),
                 "the fleet, the unknown key and the uncertain effect",
             )
             assert fleet(text) == [
@@ -163,8 +172,7 @@ def test_top_follows_the_fleet_and_resolves_in_a_real_terminal(make_daemon, shor
                 ["", "refactor", "codex", "running"],
             ]
             keys = panel_rows(text, "outcome unknown: 1 key")
-            assert keys[1][:5] == ["", f"uid:{os.geteuid()}:ci", "git.push", "release-7",
-                                   "refs/heads/release-7"]  # fmt: skip
+            assert keys[1][:5] == key_row
             effects = panel_rows(text, "uncertain effects: 1")
             assert effects[1][:5] == ["", EFFECT, "tracker-issue", "JIRA-7", "run_7 / open-issue"]
             assert selected_row(text) is None
