@@ -74,19 +74,25 @@ def make_daemon(
     """Factory for daemons sharing one temp root; all are killed at teardown.
 
     On PostgreSQL each state dir gets a fresh database of the session's cluster, made at
-    its first daemon: a daemon made again with the same name (a restart, a second
-    instance on the same state dir) reaches the same database, another name another one,
-    as each state dir has its own SQLite file (as store_helpers.store_dsn does)."""
+    the first start on it: every daemon started on the same state dir (a restart, a
+    second instance, a daemon made again with the same name) reaches the same database,
+    another state dir another one, as each state dir has its own SQLite file (as
+    store_helpers.store_dsn does)."""
     daemons: list[Daemon] = []
     databases = request.getfixturevalue("pg_databases") if store_backend == "postgresql" else None
     dsns: dict[Path, str] = {}  # state dir -> its database
 
+    def database_of(state_dir: Path) -> str | None:
+        if databases is None:
+            return None
+        directory = Path(os.path.abspath(state_dir))
+        if directory not in dsns:
+            dsns[directory] = databases()
+        return dsns[directory]
+
     def make(name: str = "d") -> Daemon:
         daemon = Daemon(short_tmp, name)
-        if databases is not None:
-            if daemon.state_dir not in dsns:
-                dsns[daemon.state_dir] = databases()
-            daemon.store = dsns[daemon.state_dir]
+        daemon.store_of = database_of
         daemons.append(daemon)
         return daemon
 

@@ -123,10 +123,16 @@ class Daemon:
         # What runs the daemon, e.g. ["ip", "netns", "exec", NAME]: it must exec it, so
         # that the process started is the daemon (its pid, its signals).
         self.prefix: list[str] = []
-        # The store: None is SQLite in the state dir; a postgresql:// DSN is passed as
-        # --store (the make_daemon fixture sets it on a [pg] run: one database per state
-        # dir, so a restart of this daemon reaches the same one).
-        self.store: str | None = None
+        # The store of a state dir: None is SQLite in it; a postgresql:// DSN is passed as
+        # --store. The make_daemon fixture sets it on a [pg] run: one database per state
+        # dir, looked up when the daemon starts (a test may move ``state_dir`` first), so
+        # every start on one state dir reaches the same database.
+        self.store_of: Callable[[Path], str | None] = lambda state_dir: None
+
+    @property
+    def store(self) -> str | None:
+        """The PostgreSQL DSN this daemon's state dir has its store in, or None (SQLite)."""
+        return self.store_of(self.state_dir)
 
     @property
     def backend(self) -> str:
@@ -144,7 +150,7 @@ class Daemon:
             "json",
             "--log-level",
             "debug",
-            *(["--store", self.store] if self.store is not None else []),
+            *(["--store", store] if (store := self.store) is not None else []),
             *self.extra_args,
             *extra,
         ]
@@ -204,19 +210,52 @@ class Daemon:
         self.notify.close()
 
 
-def start_crashing_at(daemon: Daemon, point: str) -> Daemon:
+def start_crashing_at(daemon: Daemon, point: str, nth: int = 1) -> Daemon:
     """Start ``daemon`` armed to SIGKILL itself at ``point`` (``batch.before_commit`` or
-    ``batch.after_commit``, daemon/crashpoints.py) in the first write batch a client
-    sends it. On PostgreSQL the daemon's own first batch is its presence heartbeat,
+    ``batch.after_commit``, daemon/crashpoints.py) in the ``nth`` write batch clients
+    send it. On PostgreSQL the daemon's own first batch is its presence heartbeat,
     queued as the store opens, before READY (daemon/store/pg_store.py ``_keep_present``):
-    there the point is armed for the second batch, and the next heartbeat put off (a
-    long ``--presence-interval``), so that no other batch of its own comes first."""
+    there the point is armed one batch later, and the next heartbeat put off (a long
+    ``--presence-interval``), so that no other batch of its own comes in between."""
     if daemon.store is None:
-        return daemon.start(env=daemon.env(TOWERD_CRASH_AT=point))
+        return daemon.start(env=daemon.env(TOWERD_CRASH_AT=f"{point}:{nth}"))
     return daemon.start(
         "--presence-interval", "600", "--presence-ttl", "1200",
-        env=daemon.env(TOWERD_CRASH_AT=f"{point}:2"),
+        env=daemon.env(TOWERD_CRASH_AT=f"{point}:{nth + 1}"),
     )  # fmt: skip
+
+
+def store_query(daemon: Daemon, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Read ``daemon``'s store directly, committed rows: its SQLite file with sqlite3, or
+    its PostgreSQL database with psycopg (the same SQL: ``?`` placeholders, no ``?`` or
+    ``%`` inside a literal)."""
+    store = daemon.store
+    if store is not None:
+        import psycopg
+
+        with psycopg.connect(store, autocommit=True) as pg:
+            return pg.execute(sql.replace("?", "%s"), args).fetchall()
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(daemon.state_dir / "towerd.db")) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def store_execute(daemon: Daemon, sql: str, args: tuple[Any, ...] = ()) -> None:
+    """Write ``daemon``'s store directly, committed (see ``store_query``)."""
+    store = daemon.store
+    if store is not None:
+        import psycopg
+
+        with psycopg.connect(store, autocommit=True) as pg:
+            pg.execute(sql.replace("?", "%s"), args)
+        return
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(daemon.state_dir / "towerd.db", isolation_level=None)) as conn:
+        conn.execute(sql, args)
 
 
 def db_location(daemon: Daemon) -> str:
