@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from towerd_testing import Daemon
+from towerd_testing import Daemon, backend_params
 
 if TYPE_CHECKING:  # tests/pg_cluster.py is imported only when a test asks for PostgreSQL
     from pg_cluster import Databases, PgCluster
@@ -45,13 +45,54 @@ def short_tmp() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# --- the store backend of the daemons a test makes -------------------------------------
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test of a module marked ``both_backends`` that makes daemons (``daemon``,
+    ``make_daemon``) runs once per store backend: ``[sqlite]`` and ``[pg]``, as the
+    store suite does (TOWERD_TEST_BACKENDS picks; ``sqlite_only`` keeps ``[sqlite]``).
+    tests/store/ parametrizes its own ``store_backend`` (tests/store/conftest.py)."""
+    if "store_backend" not in metafunc.fixturenames:
+        return
+    if metafunc.definition.get_closest_marker("both_backends") is None:
+        return
+    metafunc.parametrize("store_backend", backend_params(metafunc.definition), indirect=True)
+
+
 @pytest.fixture
-def make_daemon(short_tmp: Path) -> Iterator[Callable[..., Daemon]]:
-    """Factory for daemons sharing one temp root; all are killed at teardown."""
+def store_backend(request: pytest.FixtureRequest) -> str:
+    """The store backend of the daemons this test makes: ``"sqlite"`` unless the test's
+    module is marked ``both_backends`` and this is its ``[pg]`` run (``"postgresql"``)."""
+    return str(getattr(request, "param", "sqlite"))
+
+
+@pytest.fixture
+def make_daemon(
+    short_tmp: Path, store_backend: str, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Daemon]]:
+    """Factory for daemons sharing one temp root; all are killed at teardown.
+
+    On PostgreSQL each state dir gets a fresh database of the session's cluster, made at
+    the first start on it: every daemon started on the same state dir (a restart, a
+    second instance, a daemon made again with the same name) reaches the same database,
+    another state dir another one, as each state dir has its own SQLite file (as
+    store_helpers.store_dsn does)."""
     daemons: list[Daemon] = []
+    databases = request.getfixturevalue("pg_databases") if store_backend == "postgresql" else None
+    dsns: dict[Path, str] = {}  # state dir -> its database
+
+    def database_of(state_dir: Path) -> str | None:
+        if databases is None:
+            return None
+        directory = Path(os.path.abspath(state_dir))
+        if directory not in dsns:
+            dsns[directory] = databases()
+        return dsns[directory]
 
     def make(name: str = "d") -> Daemon:
         daemon = Daemon(short_tmp, name)
+        daemon.store_of = database_of
         daemons.append(daemon)
         return daemon
 

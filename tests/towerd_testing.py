@@ -14,14 +14,53 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from towerd.client import Client
+
+if TYPE_CHECKING:
+    import pytest
 
 BIN = Path(sys.executable).parent
 TOWERD = str(BIN / "towerd")
 TOWERCTL = str(BIN / "towerctl")
 START_TIMEOUT = 20.0
+
+
+# --- the store backends a test runs on --------------------------------------------------
+
+BACKENDS = {"sqlite": "sqlite", "postgresql": "pg"}  # backend -> its test id
+DEFAULT_BACKENDS = "sqlite,postgresql"  # what CI runs
+
+
+def selected_backends() -> list[str]:
+    """The backends TOWERD_TEST_BACKENDS picks (default both, what CI runs)."""
+    import pytest
+
+    raw = os.environ.get("TOWERD_TEST_BACKENDS", DEFAULT_BACKENDS)
+    names = [name.strip() for name in raw.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown or not names:
+        raise pytest.UsageError(
+            f"TOWERD_TEST_BACKENDS={raw!r}: a comma-separated subset of {', '.join(BACKENDS)}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def backend_params(definition: pytest.Item) -> list[Any]:
+    """The ``store_backend`` parameters of one test: each selected backend, with its id
+    (``[sqlite]``, ``[pg]``); ``sqlite_only`` keeps the SQLite one. A ``sqlite_only``
+    test that TOWERD_TEST_BACKENDS leaves without a backend is one skipped ``[sqlite]``."""
+    import pytest
+
+    names = selected_backends()
+    if definition.get_closest_marker("sqlite_only") is not None:
+        names = [name for name in names if name == "sqlite"]
+    params = [pytest.param(name, id=BACKENDS[name]) for name in names]
+    if not params:
+        reason = "sqlite_only, and TOWERD_TEST_BACKENDS leaves sqlite out"
+        params = [pytest.param("sqlite", id="sqlite", marks=pytest.mark.skip(reason=reason))]
+    return params
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
@@ -84,6 +123,21 @@ class Daemon:
         # What runs the daemon, e.g. ["ip", "netns", "exec", NAME]: it must exec it, so
         # that the process started is the daemon (its pid, its signals).
         self.prefix: list[str] = []
+        # The store of a state dir: None is SQLite in it; a postgresql:// DSN is passed as
+        # --store. The make_daemon fixture sets it on a [pg] run: one database per state
+        # dir, looked up when the daemon starts (a test may move ``state_dir`` first), so
+        # every start on one state dir reaches the same database.
+        self.store_of: Callable[[Path], str | None] = lambda state_dir: None
+
+    @property
+    def store(self) -> str | None:
+        """The PostgreSQL DSN this daemon's state dir has its store in, or None (SQLite)."""
+        return self.store_of(self.state_dir)
+
+    @property
+    def backend(self) -> str:
+        """``"sqlite"`` or ``"postgresql"``: the store this daemon runs on."""
+        return "sqlite" if self.store is None else "postgresql"
 
     def command(self, *extra: str) -> list[str]:
         return [
@@ -96,6 +150,7 @@ class Daemon:
             "json",
             "--log-level",
             "debug",
+            *(["--store", store] if (store := self.store) is not None else []),
             *self.extra_args,
             *extra,
         ]
@@ -153,6 +208,64 @@ class Daemon:
             self.proc.kill()
             self.proc.wait(10)
         self.notify.close()
+
+
+def start_crashing_at(daemon: Daemon, point: str, nth: int = 1) -> Daemon:
+    """Start ``daemon`` armed to SIGKILL itself at ``point`` (``batch.before_commit`` or
+    ``batch.after_commit``, daemon/crashpoints.py) in the ``nth`` write batch clients
+    send it. On PostgreSQL the daemon's own first batch is its presence heartbeat,
+    queued as the store opens, before READY (daemon/store/pg_store.py ``_keep_present``):
+    there the point is armed one batch later, and the next heartbeat put off (a long
+    ``--presence-interval``), so that no other batch of its own comes in between."""
+    if daemon.store is None:
+        return daemon.start(env=daemon.env(TOWERD_CRASH_AT=f"{point}:{nth}"))
+    return daemon.start(
+        "--presence-interval", "600", "--presence-ttl", "1200",
+        env=daemon.env(TOWERD_CRASH_AT=f"{point}:{nth + 1}"),
+    )  # fmt: skip
+
+
+def store_query(daemon: Daemon, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Read ``daemon``'s store directly, committed rows: its SQLite file with sqlite3, or
+    its PostgreSQL database with psycopg (the same SQL: ``?`` placeholders, no ``?`` or
+    ``%`` inside a literal)."""
+    store = daemon.store
+    if store is not None:
+        import psycopg
+
+        with psycopg.connect(store, autocommit=True) as pg:
+            return pg.execute(sql.replace("?", "%s"), args).fetchall()
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(daemon.state_dir / "towerd.db")) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+def store_execute(daemon: Daemon, sql: str, args: tuple[Any, ...] = ()) -> None:
+    """Write ``daemon``'s store directly, committed (see ``store_query``)."""
+    store = daemon.store
+    if store is not None:
+        import psycopg
+
+        with psycopg.connect(store, autocommit=True) as pg:
+            pg.execute(sql.replace("?", "%s"), args)
+        return
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(daemon.state_dir / "towerd.db", isolation_level=None)) as conn:
+        conn.execute(sql, args)
+
+
+def db_location(daemon: Daemon) -> str:
+    """What ``status`` says is the daemon's store (``db_path``, ``store.location``): the
+    file in the state dir, or on PostgreSQL the DSN without its password."""
+    if daemon.store is None:
+        return str(daemon.state_dir / "towerd.db")
+    from towerd.daemon.store.pg import redacted
+
+    return redacted(daemon.store)
 
 
 def towerctl(
@@ -228,9 +341,17 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def plant_foreign_rows(state_dir: Path, daemon_id: str, count: int = 1) -> list[str]:
+def plant_foreign_rows(
+    state_dir: Path, daemon_id: str, count: int = 1, store: str | None = None
+) -> list[str]:
     """Write fleet rows as another daemon id into a stopped daemon's store, in process:
-    rows a crashed or retired daemon left behind, for ``fleet.adopt`` to take over."""
+    rows a crashed or retired daemon left behind, for ``fleet.adopt`` to take over.
+    ``store``: the daemon's PostgreSQL DSN (``Daemon.store``), None for its SQLite file.
+
+    On PostgreSQL the planted box is then made silent since long ago (its presence at
+    0), as a box that crashed: the next heartbeat of a live box declares it dead (the
+    daemon beats once as it starts), and only then may it be adopted (wait with
+    ``wait_box_dead``). The embedded store has no presence: adoption needs no wait."""
     import anyio
 
     from towerd.daemon.store import StoreConfig, open_store
@@ -238,10 +359,32 @@ def plant_foreign_rows(state_dir: Path, daemon_id: str, count: int = 1) -> list[
     from towerd.protocol.methods import SessionRegisterParams
 
     async def plant() -> list[str]:
-        async with open_store(StoreConfig(state_dir, daemon_id=daemon_id)) as store:
+        config = StoreConfig(state_dir, daemon_id=daemon_id, store=store)
+        async with open_store(config) as opened:
             return [
-                await store.write(insert_session, SessionRegisterParams(cwd=f"/f{i}", agent="a"))
+                await opened.write(insert_session, SessionRegisterParams(cwd=f"/f{i}", agent="a"))
                 for i in range(count)
             ]
 
-    return anyio.run(plant)
+    planted = anyio.run(plant)
+    if store is not None:
+        import psycopg
+
+        with psycopg.connect(store, autocommit=True) as conn:
+            conn.execute("UPDATE daemons SET presence_at = 0 WHERE daemon_id = %s", (daemon_id,))
+    return planted
+
+
+def wait_box_dead(daemon: Daemon, daemon_id: str, timeout: float = 15.0) -> None:
+    """PostgreSQL: wait until ``daemon`` has declared the box ``daemon_id`` dead (a box
+    planted silent by ``plant_foreign_rows``: the daemon's next presence heartbeat
+    declares it). Nothing on SQLite, where no box is ever declared dead."""
+    if daemon.store is None:
+        return
+
+    def dead() -> bool:
+        with daemon.client() as client:
+            boxes = client.boxes_list()["boxes"]
+        return any(box["daemon_id"] == daemon_id and box["state"] == "dead" for box in boxes)
+
+    wait_for(dead, timeout=timeout, what=f"box {daemon_id} to be declared dead")

@@ -16,6 +16,8 @@ import pytest
 from towerd.client import OutcomeUnknown
 from towerd_testing import wait_for
 
+pytestmark = pytest.mark.both_backends
+
 
 def test_kill9_reconciles_keys_from_evidence(daemon):
     """After kill -9 with keys in progress: one with a fleet row as evidence completes

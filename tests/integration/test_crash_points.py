@@ -10,12 +10,9 @@ import sqlite3
 import pytest
 
 from towerd.client import Unavailable
+from towerd_testing import start_crashing_at, store_query
 
-
-def start_armed(daemon, point: str):
-    """Start ``daemon`` with a crash point armed; returns once it is READY."""
-    daemon.start(env=daemon.env(TOWERD_CRASH_AT=point))
-    return daemon
+pytestmark = pytest.mark.both_backends
 
 
 def died_by_sigkill(daemon) -> bool:
@@ -23,7 +20,7 @@ def died_by_sigkill(daemon) -> bool:
 
 
 def test_crash_before_commit_loses_only_the_unacknowledged_write(make_daemon):
-    daemon = start_armed(make_daemon(), "batch.before_commit:2")
+    daemon = start_crashing_at(make_daemon(), "batch.before_commit", nth=2)
     with daemon.client() as client:
         kept = client.session_register(cwd="/r", agent="a", idempotency_key="first")
         with pytest.raises(Unavailable):
@@ -43,7 +40,7 @@ def test_crash_before_commit_loses_only_the_unacknowledged_write(make_daemon):
 def test_crash_after_commit_before_reply_is_answered_by_the_retry(make_daemon):
     """The write committed but its reply was never sent: the retry with the same key
     returns the committed session id and inserts nothing."""
-    daemon = start_armed(make_daemon(), "batch.after_commit")
+    daemon = start_crashing_at(make_daemon(), "batch.after_commit")
     with daemon.client() as client, pytest.raises(Unavailable):
         client.session_register(cwd="/r", agent="a", idempotency_key="lost-reply")
     assert died_by_sigkill(daemon)
@@ -65,10 +62,8 @@ def test_crash_inside_reconciliation_changes_nothing(make_daemon):
     daemon.kill9()
     daemon.proc = daemon.spawn(env=daemon.env(TOWERD_CRASH_AT="reconcile.before_commit"))
     assert died_by_sigkill(daemon)
-    db = sqlite3.connect(daemon.state_dir / "towerd.db")
-    assert db.execute("SELECT state FROM idempotency").fetchall() == [("in_progress",)]
-    assert db.execute("SELECT owner_epoch FROM daemons").fetchall() == [(epoch,)]
-    db.close()
+    assert store_query(daemon, "SELECT state FROM idempotency") == [("in_progress",)]
+    assert store_query(daemon, "SELECT owner_epoch FROM daemons") == [(epoch,)]
     daemon.start()
     with daemon.client() as client:
         status = client.status()
@@ -77,6 +72,7 @@ def test_crash_inside_reconciliation_changes_nothing(make_daemon):
         assert client.idem_get("session.spawn", "interrupted")["state"] == "outcome_unknown"
 
 
+@pytest.mark.sqlite_only  # the file's ladder; PostgreSQL's: tests/store/test_pg_schema.py
 def test_crash_inside_a_migration_keeps_the_old_schema(make_daemon):
     """A first start killed inside the migration transaction leaves an empty version-0
     file; the next start migrates cleanly."""

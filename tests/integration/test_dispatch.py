@@ -34,7 +34,9 @@ from towerd.client import (
     Unavailable,
 )
 from towerd.protocol.errors import error_for_code
-from towerd_testing import Daemon, wait_for
+from towerd_testing import Daemon, start_crashing_at, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 TAKEOVER = "stale-dispatch-lease-takeover"
 REPLY_TIMEOUT = 15.0
@@ -496,7 +498,7 @@ def test_daemon_kill9_before_and_after_a_claims_commit(make_daemon, spawn):
     daemon.kill9()
 
     # Before the commit: the claim is lost with the batch; the retry claims attempt 1.
-    daemon.start(env=daemon.env(TOWERD_CRASH_AT="batch.before_commit"))
+    start_crashing_at(daemon, "batch.before_commit")
     puppet.reconnect()
     raises(Unavailable, puppet.claim, "repo/crashy", token, "K1")
     assert daemon.proc.wait(20) == -signal.SIGKILL
@@ -510,7 +512,7 @@ def test_daemon_kill9_before_and_after_a_claims_commit(make_daemon, spawn):
     daemon.kill9()
 
     # After the commit, before the reply: the retry finds the worker's own claim.
-    daemon.start(env=daemon.env(TOWERD_CRASH_AT="batch.after_commit"))
+    start_crashing_at(daemon, "batch.after_commit")
     puppet.reconnect()
     raises(Unavailable, puppet.claim, "repo/crashy", token, "K2")
     assert daemon.proc.wait(20) == -signal.SIGKILL

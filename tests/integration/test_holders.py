@@ -9,7 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from towerd_testing import towerctl, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 CLAIMANT = textwrap.dedent(
     """

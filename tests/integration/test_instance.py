@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import sqlite3
 import stat
 
 import pytest
 
 from towerd.client import StaleEpoch, Unavailable
+from towerd_testing import store_execute
+
+pytestmark = pytest.mark.both_backends
 
 EXIT_ALREADY_RUNNING = 75
 EXIT_REFUSED = 78
@@ -57,7 +59,7 @@ def test_stale_socket_of_a_killed_daemon_is_replaced(daemon):
 
 
 def test_clean_stop_removes_the_socket(daemon):
-    """SIGTERM: exit 0, socket removed, DB closed cleanly (no WAL left behind)."""
+    """SIGTERM: exit 0, socket removed, DB closed cleanly (SQLite: no WAL left behind)."""
     assert daemon.stop() == 0
     assert not daemon.socket_path.exists()
     assert not (daemon.state_dir / "towerd.db-wal").exists()
@@ -68,13 +70,11 @@ def test_superseded_daemon_refuses_writes_and_exits(daemon):
     stale_epoch (naming the daemon and epoch) and the process exits 78."""
     with daemon.client() as client:
         status = client.status()
-    db = sqlite3.connect(daemon.state_dir / "towerd.db")
-    with db:
-        db.execute(
-            "UPDATE daemons SET owner_epoch = owner_epoch + 1 WHERE daemon_id = ?",
-            (status["daemon_id"],),
-        )
-    db.close()
+    store_execute(
+        daemon,
+        "UPDATE daemons SET owner_epoch = owner_epoch + 1 WHERE daemon_id = ?",
+        (status["daemon_id"],),
+    )
     with daemon.client() as client, pytest.raises(StaleEpoch) as refused:
         client.session_register(cwd="/r", agent="claude")
     assert status["daemon_id"] in refused.value.message
@@ -87,22 +87,26 @@ def test_rows_of_another_daemon_are_refused_until_adopted(daemon):
     and epochs, invisible in fleet.list; fleet.adopt moves it to this daemon's epoch."""
     other = "00000000-0000-4000-8000-000000000001"
     session = "11111111-1111-4111-8111-111111111111"
-    db = sqlite3.connect(daemon.state_dir / "towerd.db")
-    with db:
-        db.execute(
-            "INSERT INTO daemons (daemon_id, owner_epoch, pid, host, started_at) "
-            "VALUES (?, 9, 1, 'h', 0)",
-            (other,),
-        )
-        db.execute(
-            "INSERT INTO sessions (session_id, cwd, agent, daemon_id, owner_epoch, updated_at) "
-            "VALUES (?, '/o', 'codex', ?, 9, 0)",
-            (session, other),
-        )
-    db.close()
+    # A box declared dead long ago (dead_at): on a store boxes share only a dead box's
+    # rows may be adopted (README "Several boxes"); the embedded store ignores it.
+    store_execute(
+        daemon,
+        "INSERT INTO daemons (daemon_id, owner_epoch, pid, host, started_at, dead_at) "
+        "VALUES (?, 9, 1, 'h', 0, 1)",
+        (other,),
+    )
+    store_execute(
+        daemon,
+        "INSERT INTO sessions (session_id, cwd, agent, daemon_id, owner_epoch, updated_at) "
+        "VALUES (?, '/o', 'codex', ?, 9, 0)",
+        (session, other),
+    )
     with daemon.client() as client:
         status = client.status()
-        assert client.fleet_list()["sessions"] == []
+        assert client.fleet_list(daemon_id=status["daemon_id"])["sessions"] == []
+        # Unfiltered, a store boxes share lists every box's rows (README "One fleet").
+        shown = [row["session_id"] for row in client.fleet_list()["sessions"]]
+        assert shown == ([session] if daemon.backend == "postgresql" else [])
         with pytest.raises(StaleEpoch) as refused:
             client.session_update(session, name="mine now")
         message = refused.value.message

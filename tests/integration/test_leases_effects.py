@@ -28,7 +28,9 @@ from towerd.client import (
     Unavailable,
 )
 from towerd.protocol.naming import effect_key
-from towerd_testing import wait_for
+from towerd_testing import start_crashing_at, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 PR = "github.com/acme/app#pull/feature-x"
 
@@ -94,7 +96,7 @@ def test_tokens_only_grow_across_release_restart_and_a_crash_before_the_reply(ma
             issued.append(lease["fencing_token"])
             client.lease_release("repo/main", lease["fencing_token"])
     daemon.kill9()
-    daemon.start(env=daemon.env(TOWERD_CRASH_AT="batch.after_commit"))
+    start_crashing_at(daemon, "batch.after_commit")
     with daemon.client() as client, pytest.raises(Unavailable):
         client.lease_acquire("repo/main")  # granted and committed; the reply never left
     assert daemon.proc.wait(20) == -signal.SIGKILL

@@ -26,7 +26,9 @@ from towerd.client import (
     OutcomeUnknown,
     Unavailable,
 )
-from towerd_testing import Daemon, wait_for
+from towerd_testing import Daemon, start_crashing_at, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 NO_SESSION = "00000000-0000-4000-8000-000000000000"
 
@@ -169,7 +171,7 @@ def test_a_crash_before_the_commit_loses_the_message_and_the_key(make_daemon) ->
     with daemon.client() as client:
         session = register(client)
     assert daemon.stop() == 0
-    daemon.start(env=daemon.env(TOWERD_CRASH_AT="batch.before_commit"))
+    start_crashing_at(daemon, "batch.before_commit")
     with daemon.client() as client, pytest.raises(Unavailable):
         client.session_message(session, "hello", idempotency_key="lost")
     assert died_by_sigkill(daemon)
@@ -189,7 +191,7 @@ def test_a_crash_after_the_commit_is_answered_by_the_retry(make_daemon) -> None:
     with daemon.client() as client:
         session = register(client)
     assert daemon.stop() == 0
-    daemon.start(env=daemon.env(TOWERD_CRASH_AT="batch.after_commit"))
+    start_crashing_at(daemon, "batch.after_commit")
     with daemon.client() as client, pytest.raises(Unavailable):
         client.session_message(session, "hello", idempotency_key="lost-reply")
     assert died_by_sigkill(daemon)

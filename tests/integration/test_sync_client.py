@@ -28,7 +28,9 @@ from towerd.client import (
     run_once,
 )
 from towerd.protocol import ERROR_CODES, error_for_code
-from towerd_testing import plant_foreign_rows
+from towerd_testing import db_location, plant_foreign_rows, wait_box_dead
+
+pytestmark = pytest.mark.both_backends
 
 UID = os.geteuid()
 SESSION_KEYS = {
@@ -152,7 +154,7 @@ def test_status_fields_and_counts(daemon):
     assert status["pid"] == daemon.pid
     assert status["version"] == "0.1.0"
     assert status["protocol"] == 1
-    assert status["db_path"] == str(daemon.state_dir / "towerd.db")
+    assert status["db_path"] == db_location(daemon)  # the file, or the DSN on PostgreSQL
     assert status["socket_path"] == str(daemon.socket_path)
     assert status["sessions"] == 2
     # Keys are counted daemon-wide, across principals.
@@ -433,22 +435,32 @@ def test_fleet_adopt_refusals(daemon):
 
 
 def test_fleet_adopt_takes_over_foreign_rows(daemon):
-    """Another daemon's rows are invisible and stale_epoch until adopted, then ours."""
+    """Another daemon's rows are stale_epoch until adopted, then ours; on the embedded
+    store they are also invisible until then."""
     with daemon.client() as c:
         ours = c.session_register(cwd="/ours", agent="a")["session_id"]
     assert daemon.stop() == 0
-    foreign = plant_foreign_rows(daemon.state_dir, "gone-daemon", 2)
+    foreign = plant_foreign_rows(daemon.state_dir, "gone-daemon", 2, store=daemon.store)
     daemon.start()
     with daemon.client() as c:
         assert c.hello["owner_epoch"] == 2
-        assert [row["session_id"] for row in c.iter_fleet()] == [ours]
-        with pytest.raises(NotFound):
-            c.fleet_get(foreign[0])
+        own = c.hello["daemon_id"]
+        assert [row["session_id"] for row in c.iter_fleet(daemon_id=own)] == [ours]
+        if daemon.backend == "postgresql":
+            # A store several boxes share shows every box's rows by default (README
+            # "Several boxes", "One fleet"), each with its daemon id.
+            assert [row["session_id"] for row in c.iter_fleet()] == [ours, *foreign]
+            assert c.fleet_get(foreign[0])["daemon_id"] == "gone-daemon"
+        else:
+            assert [row["session_id"] for row in c.iter_fleet()] == [ours]
+            with pytest.raises(NotFound):
+                c.fleet_get(foreign[0])
         with pytest.raises(StaleEpoch) as stale:
             c.session_update(foreign[0], name="mine now")
         assert stale.value.data["owner_daemon_id"] == "gone-daemon"
         assert stale.value.data["daemon_id"] == c.hello["daemon_id"]
 
+        wait_box_dead(daemon, "gone-daemon")  # PostgreSQL: only a dead box is adopted
         adopted = c.fleet_adopt("gone-daemon")
         assert adopted == {
             "adopted": 2,

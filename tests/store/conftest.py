@@ -13,26 +13,12 @@ Two markers take a test out of the product:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 
 import store_helpers
-
-BACKENDS = {"sqlite": "sqlite", "postgresql": "pg"}  # backend -> its test id
-DEFAULT_BACKENDS = "sqlite,postgresql"
-
-
-def selected_backends() -> list[str]:
-    raw = os.environ.get("TOWERD_TEST_BACKENDS", DEFAULT_BACKENDS)
-    names = [name.strip() for name in raw.split(",") if name.strip()]
-    unknown = [name for name in names if name not in BACKENDS]
-    if unknown or not names:
-        raise pytest.UsageError(
-            f"TOWERD_TEST_BACKENDS={raw!r}: a comma-separated subset of {', '.join(BACKENDS)}"
-        )
-    return list(dict.fromkeys(names))
+from towerd_testing import backend_params
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -40,14 +26,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         return
     if metafunc.definition.get_closest_marker("no_backend_param") is not None:
         return
-    names = selected_backends()
-    if metafunc.definition.get_closest_marker("sqlite_only") is not None:
-        names = [name for name in names if name == "sqlite"]
-    params = [pytest.param(name, id=BACKENDS[name]) for name in names]
-    if not params:  # sqlite_only, and TOWERD_TEST_BACKENDS leaves sqlite out
-        reason = "sqlite_only, and TOWERD_TEST_BACKENDS leaves sqlite out"
-        params = [pytest.param("sqlite", id="sqlite", marks=pytest.mark.skip(reason=reason))]
-    metafunc.parametrize("store_backend", params, indirect=True)
+    metafunc.parametrize("store_backend", backend_params(metafunc.definition), indirect=True)
 
 
 @pytest.fixture(autouse=True)
