@@ -36,9 +36,11 @@ _encoder = msgspec.msgpack.Encoder()
 def notify(conn: Any, daemon_id: str, changes: list[tuple[str, Any]]) -> None:
     """In the batch's transaction: tell every box what it changed (committed or never),
     in as few notifications as fit the limit, in order; only a single note over the limit
-    is sent as a gap (a busy batch's many small notes are not)."""
+    is sent as a gap (a busy batch's many small notes are not). The ``pg_notify`` calls
+    go in the same message as the COMMIT (``PgConnection.notify_at_commit``): no round
+    trip of their own, and still in the transaction."""
     for payload in _payloads(daemon_id, changes):
-        conn.execute("SELECT pg_notify(?, ?)", (CHANNEL, payload))
+        conn.notify_at_commit(CHANNEL, payload)
 
 
 def _encoded(daemon_id: str, changes: list[tuple[str, Any]]) -> str:

@@ -42,7 +42,7 @@ from towerd.daemon.store import identity, pg_changes, pg_schema, presence, upkee
 from towerd.daemon.store.config import StoreConfig
 from towerd.daemon.store.pg import PgConnection, connect, redacted
 from towerd.daemon.store.reconcile import start_daemon
-from towerd.daemon.store.store import Store
+from towerd.daemon.store.store import Store, _fail_all
 from towerd.daemon.store.tx import STORE_UNREACHABLE, Tx, translate_pg_error, use_clock
 from towerd.protocol.errors import Unavailable
 from towerd.protocol.methods import DoctorResult, KeyCounts, ReconcileReport
@@ -300,15 +300,18 @@ class PgStore(Store):
         return bool(conn.broken)
 
     def _begin(self, conn: Any, jobs: list[Any]) -> bool:
-        """As on SQLite (the writer lock, then this daemon's epoch), and: a box another box
+        """As on SQLite (the writer lock, then this daemon's epoch: else every job fails
+        ``stale_epoch``), in one round trip (``PgConnection.begin_batch``: the epoch is
+        read by a statement that starts once the lock is granted); and: a box another box
         declared dead while it was cut off serves again under a new epoch, committed
         before the batch runs; what its holders held stays released."""
-        if not super()._begin(conn, jobs):
+        epoch, dead_at = conn.begin_batch(self.daemon_id)
+        if epoch != self.owner_epoch:
+            conn.execute("ROLLBACK")
+            self._superseded = True
+            _fail_all(jobs, self._stale_epoch_error(None if epoch is None else (epoch,)))
             return False
-        row = conn.execute(
-            "SELECT dead_at FROM daemons WHERE daemon_id = ?", (self.daemon_id,)
-        ).fetchone()
-        if row is None or row[0] is None:
+        if dead_at is None:
             return True
         now = self._batch_now(conn)
         (epoch,) = conn.execute(
@@ -322,10 +325,10 @@ class PgStore(Store):
         conn.execute("COMMIT")
         log.warning(
             "box_revived", code="stale_epoch", daemon_id=self.daemon_id,
-            declared_dead_at=row[0], old_epoch=self.owner_epoch, owner_epoch=epoch,
+            declared_dead_at=dead_at, old_epoch=self.owner_epoch, owner_epoch=epoch,
         )  # fmt: skip
         self.owner_epoch = epoch
-        return super()._begin(conn, jobs)
+        return self._begin(conn, jobs)
 
 
 def _start(
