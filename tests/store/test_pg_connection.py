@@ -3,11 +3,13 @@
 The store functions run unchanged on PostgreSQL because ``PgConnection`` answers as a
 sqlite3 connection does; since statements go through libpq (not a psycopg cursor, for
 the write path's CPU), these pin what the store functions rely on: the types psycopg's
-adapters give, rows and ``rowcount``, ``total_changes`` and errors as psycopg's.
+adapters give, rows and ``rowcount``, ``total_changes``, errors as psycopg's, and plans
+that are made again as tables grow.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from decimal import Decimal
 
@@ -114,3 +116,30 @@ def test_notes_go_out_with_the_commit_and_never_with_a_rollback(pg_dsn: str) -> 
     finally:
         writer.close()
         listener.close()
+
+
+def test_plans_made_on_a_tiny_table_are_made_again_as_it_grows(conn: PgConnection) -> None:
+    """A lookup prepared while its table is tiny gets a sequential scan as its plan; the
+    connection makes its plans again every REPLAN_EVERY statements, so once the table
+    has grown the lookup uses its index."""
+    conn.raw.execute("CREATE TABLE grows (a text, b text, c text, v bigint, PRIMARY KEY (a, b, c))")
+    conn.raw.execute("INSERT INTO grows VALUES ('p', 'o', 'k', 1)")
+    conn.raw.execute("ANALYZE grows")
+    lookup = "SELECT v FROM grows WHERE a = ? AND b = ? AND c = ?"
+    key = ("p", "o", "k")
+    for _ in range(8):  # prepared at its second run; a generic plan after five more
+        assert conn.execute(lookup, key).fetchone() == (1,)
+    name = conn._prepared[lookup, conn._tx.types].decode()
+
+    def plan() -> str:
+        rows = conn.raw.execute(f"EXPLAIN EXECUTE {name}('p', 'o', 'k')").fetchall()
+        return "\n".join(row[0] for row in rows)
+
+    assert "Seq Scan" in plan(), "the premise: a tiny table's generic plan scans it"
+    conn.raw.execute(
+        "INSERT INTO grows SELECT 'p', 'o', g::text, g FROM generate_series(1, 20000) g"
+    )
+    for _ in range(pg.REPLAN_EVERY):
+        conn.execute(lookup, (str(uuid.uuid4()), "o", "k"))
+    assert conn.execute(lookup, key).fetchone() == (1,)
+    assert "Index" in plan()
