@@ -103,14 +103,18 @@ class _PgThread:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(connection, *args)`` in the thread. The watchdog stays armed until the
         call has ended, whether or not its caller still waits for it."""
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """On the loop: queue ``fn(connection, *args)`` for the thread; the future is
+        resolved on the loop once it ended (cancel it to skip it if not yet started)."""
         self._calls += 1
-        call = self._calls
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        item = _Call(call, fn, args, future, loop)
+        item = _Call(self._calls, fn, args, future, loop)
         item.watchdog = loop.call_later(STUCK_AFTER_S, self._unstick, item)
         self._queue.put(item)
-        return await future
+        return future
 
     def _serve(self) -> None:
         """The thread: each call in turn, its outcome handed back to its loop."""
