@@ -188,7 +188,8 @@ class PgConnection:
             self._exec(b"DISCARD PLANS")
         tx = self._tx
         params = tx.dump_sequence(args, [_AUTO] * len(args))
-        types, formats = tx.types, tx.formats
+        types: tuple[int, ...] = tx.types or ()
+        formats = tx.formats
         key = (sql, types)
         pgconn = self.raw.pgconn
         name = self._prepared.get(key)
@@ -197,7 +198,9 @@ class PgConnection:
             self._checked(pgconn.prepare(name, numbered(sql), types))
             self._prepared[key] = name
         if name is not None:
-            result = self._checked(pgconn.exec_prepared(name, params, formats))
+            # None is NULL, as in exec_params (psycopg's stub leaves it out here only).
+            answer = pgconn.exec_prepared(name, params, formats)  # type: ignore[arg-type]
+            result = self._checked(answer)
         else:
             if len(self._seen) >= PREPARED_MAX:
                 self._seen.clear()
@@ -205,7 +208,7 @@ class PgConnection:
             result = self._checked(pgconn.exec_params(numbered(sql), params, types, formats))
         count = result.command_tuples
         rowcount = -1 if count is None else count
-        if rowcount > 0 and result.command_status.startswith(_DML_STATUS):
+        if rowcount > 0 and (result.command_status or b"").startswith(_DML_STATUS):
             self.total_changes += rowcount
         if result.status != pq.ExecStatus.TUPLES_OK:
             return Rows([], rowcount)
