@@ -41,9 +41,11 @@ _encoder = msgspec.msgpack.Encoder()
 def notify(conn: Any, daemon_id: str, changes: list[tuple[str, Any]]) -> None:
     """In the batch's transaction: tell every box what it changed (committed or never),
     in as few notifications as fit the limit, in order; only a single note over the limit
-    is sent as a gap (a busy batch's many small notes are not)."""
+    is sent as a gap (a busy batch's many small notes are not). The ``pg_notify`` calls
+    go in the same message as the COMMIT (``PgConnection.notify_at_commit``): no round
+    trip of their own, and still in the transaction."""
     for payload in _payloads(daemon_id, changes):
-        conn.execute("SELECT pg_notify(?, ?)", (CHANNEL, payload))
+        conn.notify_at_commit(CHANNEL, payload)
 
 
 def _encoded(daemon_id: str, changes: list[tuple[str, Any]]) -> str:
@@ -78,9 +80,18 @@ def _payloads(daemon_id: str, changes: list[tuple[str, Any]]) -> list[str]:
     return payloads
 
 
+LISTENING_WAIT_S = 5.0  # start() waits this long at most for the first LISTEN
+
+
 class ChangeListener:
     """A thread listening for other boxes' notes; ``publish`` and ``gap`` are called on
-    the event loop (via ``call``, e.g. ``loop.call_soon_threadsafe``)."""
+    the event loop (via ``call``, e.g. ``loop.call_soon_threadsafe``).
+
+    ``start`` returns once the thread listens (or its first attempt failed): the daemon
+    serves, and a watcher can subscribe, only after that, so no note committed after a
+    watcher's snapshot goes unheard. Started later than that (the server did not answer
+    in time), or listening again after a break, it ends every watcher (``gap``): what
+    was committed meanwhile is unknown."""
 
     def __init__(
         self,
@@ -95,9 +106,16 @@ class ChangeListener:
         self._stop = threading.Event()
         self._conn: Any = None
         self._thread = threading.Thread(target=self._run, name="towerd-changes", daemon=True)
+        self._first_try = threading.Event()  # the first LISTEN was sent, or failed
+        self._lock = threading.Lock()
+        self._serving = False  # start() returned: watchers may be subscribed
 
     def start(self) -> None:
+        """Start the thread and wait (at most LISTENING_WAIT_S) until it listens."""
         self._thread.start()
+        self._first_try.wait(LISTENING_WAIT_S)
+        with self._lock:
+            self._serving = True
 
     def stop(self) -> None:
         self._stop.set()
@@ -109,14 +127,20 @@ class ChangeListener:
             try:
                 self._conn = connect(self.dsn)
                 self._conn.raw.execute(f"LISTEN {CHANNEL}")
+                with self._lock:
+                    late = self._serving  # the daemon served before this LISTEN
+                    self._first_try.set()
                 if missed:
                     self._call(self._gap, "the change listener reconnected")
+                elif late:
+                    self._call(self._gap, "the change listener started late")
                 missed = True
                 while not self._stop.is_set():
                     for note in self._conn.raw.notifies(timeout=0.5, stop_after=64):
                         self._deliver(note.payload)
             except psycopg.Error as exc:
                 log.warning("change_listener_lost", code="unavailable", error=str(exc))
+                self._first_try.set()
                 self._stop.wait(1.0)
             finally:
                 if self._conn is not None:
