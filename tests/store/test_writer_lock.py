@@ -66,12 +66,13 @@ class _Pg:
 async def waiting_for_the_lock(root: Path, store: Store) -> None:
     """Return once a batch of ``store`` waits for the writer lock: on PostgreSQL, once
     the server shows an advisory lock requested and not granted; on SQLite (where the
-    wait cannot be seen from outside), once the batch was handed to the writer."""
+    wait cannot be seen from outside), once the writer found the lock held and holds
+    the batch for its next try (it waits off the loop, daemon/store/store.py _drain)."""
     dsn = store_dsn(root)
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         if dsn is None:
-            if store._batch_in_flight:
+            if store._locked is not None:
                 return
         else:
             import psycopg
