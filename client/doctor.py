@@ -40,6 +40,7 @@ def examine(
     findings: list[Finding] = []
     report: DoctorResult | None = None
     last_seen: list[Any] | None = None
+    shared = False  # the store is PostgreSQL: no database file here, db_path is its DSN
     try:
         with Client(socket_path, principal=principal, timeout=60) as client:
             status = client.status()
@@ -54,7 +55,9 @@ def examine(
             )
         )
         findings += _health_findings(status)
-        state_dir = state_dir or Path(status["db_path"]).parent
+        shared = status.get("store", {}).get("backend") == "postgresql"
+        if not shared:
+            state_dir = state_dir or Path(status["db_path"]).parent
     except TowerdError as exc:
         findings.append(
             Finding(
@@ -72,7 +75,9 @@ def examine(
     findings += _private_path(state_dir, "state dir", want_dir=True)
     db_path = state_dir / "towerd.db"
     findings += _disk_findings(state_dir)
-    if db_path.exists():
+    if shared:
+        pass  # the database is the server's: its own checks come with the report below
+    elif db_path.exists():
         findings += _private_path(db_path, "database file", want_dir=False)
     elif (state_dir / "daemon_id").exists():
         findings.append(
@@ -89,7 +94,7 @@ def examine(
         )
     if report is not None:
         findings += _database_findings(report)
-    elif db_path.exists():
+    elif db_path.exists() and not shared:
         findings += _offline_database_findings(db_path, full)
     findings += _hooks_findings(last_seen)
     return {
@@ -235,9 +240,11 @@ RESTORE_ADVICE = (
 
 
 def _integrity(check: str, rows: list[str], fix: str, where: str = "") -> Finding:
+    # ``check`` is SQLite's PRAGMA, or "postgresql": the server's own account
+    what = "the PostgreSQL store" if check == "postgresql" else f"PRAGMA {check}"
     return verdict(
-        "integrity", rows == ["ok"], ok=f"PRAGMA {check}: ok{where}",
-        problem=f"PRAGMA {check}: {'; '.join(rows[:5])}", fix=fix, level="error",
+        "integrity", rows == ["ok"], ok=f"{what}: ok{where}",
+        problem=f"{what}: {'; '.join(rows[:5])}", fix=fix, level="error",
     )  # fmt: skip
 
 
@@ -254,7 +261,7 @@ def _database_findings(report: DoctorResult) -> list[Finding]:
         f"{e['action_kind']} {e['target_ref']} ({e['effect_key']}, run {e['run_id']})"
         for e in uncertain[:5]
     )
-    return [
+    findings = [
         _integrity(report["check"], report["integrity"], RESTORE_ADVICE),
         verdict(
             "schema",
@@ -294,6 +301,9 @@ def _database_findings(report: DoctorResult) -> list[Finding]:
             level="warning",
         ),
     ]
+    if report["check"] == "postgresql":  # no WAL file of towerd's: the server keeps its own
+        findings = [finding for finding in findings if finding.check != "wal"]
+    return findings
 
 
 def _offline_database_findings(db_path: Path, full: bool) -> list[Finding]:

@@ -118,7 +118,13 @@ class ChangeListener:
             self._serving = True
 
     def stop(self) -> None:
+        """Stop now: the thread's wait for a notification is cut short (its socket shut
+        down) rather than waited out, so a daemon on PostgreSQL stops as fast as one on
+        SQLite (the 0.5 s wait cost every stop up to that; the tests stop hundreds)."""
         self._stop.set()
+        conn = self._conn
+        if conn is not None:
+            conn.interrupt()
         self._thread.join(timeout=3)
 
     def _run(self) -> None:
@@ -139,8 +145,10 @@ class ChangeListener:
                     for note in self._conn.raw.notifies(timeout=0.5, stop_after=64):
                         self._deliver(note.payload)
             except psycopg.Error as exc:
-                log.warning("change_listener_lost", code="unavailable", error=str(exc))
                 self._first_try.set()
+                if self._stop.is_set():
+                    return  # stop() cut the wait short
+                log.warning("change_listener_lost", code="unavailable", error=str(exc))
                 self._stop.wait(1.0)
             finally:
                 if self._conn is not None:

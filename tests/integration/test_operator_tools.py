@@ -178,3 +178,20 @@ def test_doctor_names_effects_waiting_for_a_decision(daemon):
     result = towerctl(daemon, "doctor")
     assert result.returncode == 1
     assert "https://hooks.example/deploy" in result.stdout and "effects resolve" in result.stdout
+
+
+def test_doctor_of_a_daemon_on_postgresql_is_healthy_and_names_the_server(make_daemon, pg_dsn):
+    """On a PostgreSQL store db_path is the DSN: doctor neither takes it for a state dir
+    nor looks for a database file or a WAL; a healthy daemon is exit 0, its integrity
+    the server's own account (it used to exit 1, "state dir postgresql:/... does not
+    exist", found by running the integration suite on PostgreSQL)."""
+    daemon = make_daemon()
+    daemon.extra_args += ["--store", pg_dsn]
+    daemon.start()
+    result = towerctl(daemon, "--json", "doctor", "--state-dir", str(daemon.state_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    findings = {f["check"]: f for f in json.loads(result.stdout)["findings"]}
+    assert all(f["status"] == "ok" for f in findings.values()), findings
+    assert "wal" not in findings and "database file" not in findings
+    assert findings["integrity"]["detail"] == "the PostgreSQL store: ok"
+    assert findings["state dir"]["detail"].find(str(daemon.state_dir)) >= 0
