@@ -144,13 +144,11 @@ class Store:
         self._writer = writer
         self._reader = reader
         self._queue: list[_Job] = []
-        self._wakeup = anyio.Event()
         self._closing = False
-        # SQLite (inline writes): a _drain is scheduled; a batch waits for the write lock;
-        # closing, and nothing is left to write.
-        self._drain_scheduled = False
-        self._locked: list[_Job] | None = None
-        self._drained = anyio.Event()
+        self._drain_scheduled = False  # _drain is due on the loop
+        self._locked: list[_Job] | None = None  # SQLite: a batch waits for the write lock
+        self._drained = anyio.Event()  # closing, and nothing is left to write
+        self._crashed: BaseException | None = None  # what the batch loop raised (a bug)
         self._superseded = False  # set on the database thread, published after the hop
         self._upkeep_limiter = anyio.CapacityLimiter(1)
         self._inline = self._open_inline()
@@ -201,9 +199,7 @@ class Store:
         if stages.TRACE is not None:
             job.stamps = stages.TRACE.new_stamps()
         self._queue.append(job)
-        if not self.inline_writes:
-            self._wakeup.set()
-        elif not self._drain_scheduled:
+        if not self._drain_scheduled:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
         return future
@@ -294,40 +290,41 @@ class Store:
     # --- the writer ------------------------------------------------------------------
 
     async def _write_batches(self) -> None:
-        """The writer's task. On SQLite it only waits for the close: batches run from
-        ``_drain``, scheduled by ``write``; on PostgreSQL it takes each batch to the
-        writer's thread."""
-        if self.inline_writes:
-            await self._drained.wait()
-            return
-        while True:
-            if not self._queue:
-                if self._closing:
-                    return
-                await self._wakeup.wait()
-                self._wakeup = anyio.Event()
-                continue
-            batch = self._queue[: self.config.max_batch]
-            del self._queue[: self.config.max_batch]
-            await self._run_on_thread(batch)
+        """The writer's task lives as long as the store and only waits for its close:
+        batches run from ``_drain``, which ``write`` schedules. It returns once closing
+        and every write queued before has been run and answered; a bug in the batch
+        loop is raised here, stopping the daemon."""
+        await self._drained.wait()
+        if self._crashed is not None:
+            raise self._crashed
 
     def _drain(self) -> None:
-        """SQLite: run the queued writes now, batch after batch, right here on the event
-        loop, each COMMIT included; called soon after the first write of a loop step is
-        queued, so every write that step read joins the batch.
+        """Run the queued writes, batch after batch; called soon after the first write
+        of a loop step is queued (``call_soon``), so every write that step read joins the
+        batch, and again when a batch is done.
 
+        SQLite: each batch runs right here on the event loop, its COMMIT included.
         Measured (bench/writes.py --stages): a hop to a database thread and back costs two
         thread wake-ups (~100 us on this machine, more than the statements of a claim), and
         the two threads then fight over the GIL; on the loop, writes at 1, 8 and 64 clients
         all went faster, and a task woken by an event to run them cost another ~10-20 us
         per batch at 1 client. Batching is unchanged: whatever the loop read while a batch
-        ran is the next batch."""
+        ran is the next batch. PostgreSQL: each batch goes to the writer's thread (the
+        network is no place for the loop to wait), one at a time."""
         self._drain_scheduled = False
-        while self._queue and self._locked is None:
+        while self._queue and self._locked is None and not self._batch_in_flight:
             batch = self._queue[: self.config.max_batch]
             del self._queue[: self.config.max_batch]
-            self._run_inline(batch, BUSY_FIRST_PAUSE_S, 0.0)
-        if self._closing and not self._queue and self._locked is None:
+            if not self.inline_writes:
+                self._start_on_thread(batch)
+                continue
+            try:
+                self._run_inline(batch, BUSY_FIRST_PAUSE_S, 0.0)
+            except Exception as exc:  # a bug: its callers are answered, then the daemon stops
+                self._crash(batch, exc)
+                return
+        idle = self._locked is None and not self._batch_in_flight
+        if self._closing and not self._queue and idle:
             self._drained.set()
 
     def _run_inline(self, batch: list[_Job], pause: float, waited: float) -> None:
@@ -357,20 +354,35 @@ class Store:
         self._run_inline(batch, min(pause * 2, BUSY_MAX_PAUSE_S), waited)
         self._drain()
 
-    async def _run_on_thread(self, batch: list[_Job]) -> None:
-        """PostgreSQL: the batch in one hop to the writer's thread (the network is no
-        place for the loop to wait), answered back on the loop."""
+    def _start_on_thread(self, batch: list[_Job]) -> None:
+        """PostgreSQL: hand the batch to the writer's thread; answered from its future."""
         self._stamp_batch(stages.TAKEN)
         self._batch_in_flight = True
-        try:
-            with anyio.CancelScope(shield=True):
-                await self._writer.run(self._run_batch, batch)
-        except self.DB_ERRORS as exc:  # no connection to run it on (PostgreSQL away)
-            _fail_all(batch, self._uncommitted(exc))
-        finally:
-            self._batch_in_flight = False
+        ran = self._writer.submit(self._run_batch, batch)
+        ran.add_done_callback(functools.partial(self._thread_batch_done, batch))
+
+    def _thread_batch_done(self, batch: list[_Job], ran: asyncio.Future[Any]) -> None:
+        self._batch_in_flight = False
+        error = None if ran.cancelled() else ran.exception()
+        if isinstance(error, self.DB_ERRORS):  # no connection to run it on (PostgreSQL away)
+            _fail_all(batch, self._uncommitted(error))
+        elif error is not None:
+            self._crash(batch, error)
+            return
         self._stamp_batch(stages.BACK)
         self._publish(batch)
+        self._drain()
+
+    def _crash(self, batch: list[_Job], error: BaseException) -> None:
+        """A bug in the batch loop: its callers are answered with it, and the writer's
+        task raises it, which stops the daemon (nothing more is written)."""
+        log.error("write_batch_crashed", code="internal", exc_info=error)
+        self._batch_in_flight = False
+        _fail_all(batch, error)
+        self._publish(batch)
+        self._crashed = error
+        self._closing = True
+        self._drained.set()
 
     def _stamp_batch(self, stamp: int) -> None:
         if stages.TRACE is not None:
@@ -553,9 +565,7 @@ class Store:
 
     def _close_queue(self) -> None:
         self._closing = True
-        self._wakeup.set()
-        if self.inline_writes:
-            self._drain()  # what is queued commits now; a batch waiting for the lock, later
+        self._drain()  # what is queued runs now (a batch in flight or waiting: after it)
 
 
 _DONE, _REDO, _ABANDONED = "done", "redo", "abandoned"  # how a pass over a batch ended
