@@ -55,7 +55,8 @@ def examine(
             )
         )
         findings += _health_findings(status)
-        shared = status.get("store", {}).get("backend") == "postgresql"
+        store = status.get("store")
+        shared = store is not None and store.get("backend") == "postgresql"
         if not shared:
             state_dir = state_dir or Path(status["db_path"]).parent
     except TowerdError as exc:

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import aiosqlite
 import anyio
@@ -65,6 +65,12 @@ log = structlog.get_logger("towerd.store")
 DB_FILE = "towerd.db"
 BACKUP_DIR = "backups"
 BUSY_TIMEOUT_MS = DEFAULT_BUSY_TIMEOUT_MS  # what a connection waits for a lock (start-up, reads)
+
+
+class _SubmittingThread(Protocol):
+    """A writer whose batches run on its own thread (PostgreSQL's, ``inline_writes`` off)."""
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]: ...
 
 
 class _DbThread:
@@ -358,7 +364,8 @@ class Store:
         """PostgreSQL: hand the batch to the writer's thread; answered from its future."""
         self._stamp_batch(stages.TAKEN)
         self._batch_in_flight = True
-        ran = self._writer.submit(self._run_batch, batch)
+        writer = cast(_SubmittingThread, self._writer)  # only a thread-run writer gets here
+        ran = writer.submit(self._run_batch, batch)
         ran.add_done_callback(functools.partial(self._thread_batch_done, batch))
 
     def _thread_batch_done(self, batch: list[_Job], ran: asyncio.Future[Any]) -> None:
