@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import secrets
 import time
 from asyncio import Future
 from collections.abc import Callable
@@ -333,15 +334,18 @@ class Handlers:
         self, claimant: Caller, params: m.HookEventParams
     ) -> m.HookEventResult:
         """On a shared store: with the store unreachable, the event waits in the outbox
-        (daemon/outbox.py) and the hook is answered at once, deciding nothing."""
+        (daemon/outbox.py) and the hook is answered at once, deciding nothing. Its filing
+        key is minted before the first write: if that write commits after its answer was
+        given up on, the forward from the outbox files nothing more."""
         assert self.outbox is not None
+        filing_key = secrets.token_hex(16)
         if self.store.reachable and not self.outbox.queued:  # queued ones stay first
             try:
-                return await self.store.write(agents.hook_event, claimant, params)
+                return await self.store.write(agents.hook_event, claimant, params, filing_key)
             except Unavailable as exc:
                 if not store_unreachable(exc):
                     raise
-        self.outbox.put(claimant.principal, params)
+        self.outbox.put(claimant.principal, params, filing_key)
         return m.HookEventResult(
             event_id=0, at=now_ms(), session_id=None, queued=True,
             reason="towerd's shared store is unreachable: the event is queued and filed "
@@ -353,9 +357,9 @@ class Handlers:
         if self.outbox is None or not self.outbox.queued:
             return 0
 
-        async def write(principal: str, params: m.HookEventParams) -> Any:
+        async def write(principal: str, params: m.HookEventParams, filing_key: str | None) -> Any:
             caller = Caller(principal=principal, pid=0, holder=None)
-            return await self.store.write(agents.hook_event, caller, params)
+            return await self.store.write(agents.hook_event, caller, params, filing_key)
 
         return await self.outbox.forward(write)
 

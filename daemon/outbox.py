@@ -7,8 +7,10 @@ file in the state dir, so a daemon restarted meanwhile still forwards it. Hook e
 are soft state: past the bound the oldest are dropped and counted (``status``), never
 the daemon's memory or disk. Forwarding keeps their order; an event the store refuses
 for good (a bad argument) is dropped and counted, not retried forever. An event whose
-write timed out may also have committed, so in that window an event can be filed twice;
-none is lost unless dropped and counted.
+write timed out may also have committed: each event keeps the filing key the daemon
+minted before its first write, and a write under a key already filed files nothing
+(``events.filing_key``), so an event is filed once; none is lost unless dropped and
+counted.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ _LENGTH = struct.Struct(">I")
 class QueuedEvent(msgspec.Struct, array_like=True):
     principal: str
     params: HookEventParams
+    filing_key: str | None = None  # None: queued by a towerd before filing keys
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -82,10 +85,10 @@ class Outbox:
         if self.events:
             log.info("outbox_loaded", queued=len(self.events), path=str(self.path))
 
-    def put(self, principal: str, params: HookEventParams) -> None:
-        """Queue one event (its agent process is not named: it may be gone when the
-        event is forwarded)."""
-        event = QueuedEvent(principal, msgspec.structs.replace(params, agent_pid=None))
+    def put(self, principal: str, params: HookEventParams, filing_key: str | None) -> None:
+        """Queue one event under its filing key (its agent process is not named: it may
+        be gone when the event is forwarded)."""
+        event = QueuedEvent(principal, msgspec.structs.replace(params, agent_pid=None), filing_key)
         self.events.append(event)
         if self._trim():
             self._rewrite()
@@ -121,15 +124,16 @@ class Outbox:
         os.replace(temporary, self.path)
 
     async def forward(self, write: Any) -> int:
-        """Send the queued events in order through ``write(principal, params)`` (an
-        awaitable store write); stop at the first that finds the store unreachable.
+        """Send the queued events in order through ``write(principal, params,
+        filing_key)`` (an awaitable store write); stop at the first that finds the store
+        unreachable (it stays first, and is sent again under the same key).
         Returns how many left the queue."""
         sent = 0
         try:
             while self.events:
                 event = self.events[0]
                 try:
-                    await write(event.principal, event.params)
+                    await write(event.principal, event.params, event.filing_key)
                 except TowerdError as exc:
                     if store_unreachable(exc):
                         break

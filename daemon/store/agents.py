@@ -49,9 +49,16 @@ PRE_TOOL_USE, POST_TOOL_USE = "PreToolUse", "PostToolUse"
 PENDING_TTL_MS = 120_000  # a path leased before its edit ran, until the edit is seen done
 
 
-def hook_event(tx: Tx, caller: Caller, params: HookEventParams) -> HookEventResult:
+def hook_event(
+    tx: Tx, caller: Caller, params: HookEventParams, filing_key: str | None = None
+) -> HookEventResult:
     """``hook.event``. ``caller.holder`` is the agent process when the handler accepted
-    ``agent_pid``, else None."""
+    ``agent_pid``, else None. Under a ``filing_key`` already filed (the same event sent
+    again: daemon/outbox.py) it answers that event and changes nothing."""
+    if filing_key is not None and (earlier := events.filed(tx, filing_key)) is not None:
+        return HookEventResult(
+            event_id=earlier.event_id, at=earlier.at, session_id=earlier.session_id
+        )
     agent = caller.holder if params.agent_pid is not None else None
     session_id, registered = _session_of_hook(tx, params)
     if session_id is not None and agent is not None:
@@ -65,6 +72,7 @@ def hook_event(tx: Tx, caller: Caller, params: HookEventParams) -> HookEventResu
             agent_session_id=params.agent_session_id,
             payload=params.payload,
         ),
+        filing_key,
     )
     result = HookEventResult(
         event_id=recorded.event_id,

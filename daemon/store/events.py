@@ -36,12 +36,23 @@ HEARTBEAT = "heartbeat"
 _EXITED_BY_KIND = {"SessionEnd": True, "SessionStart": False}
 
 
-def record(tx: Tx, caller: Caller, params: EventRecordParams) -> EventRecordResult:
+def filed(tx: Tx, filing_key: str) -> EventRecordResult | None:
+    """The event filed before under ``filing_key`` (a hook event written again after its
+    first write's answer was lost: daemon/outbox.py), or None."""
+    row = tx.conn.execute(
+        "SELECT event_id, at, session_id FROM events WHERE filing_key = ?", (filing_key,)
+    ).fetchone()
+    return None if row is None else EventRecordResult(event_id=row[0], at=row[1], session_id=row[2])
+
+
+def record(
+    tx: Tx, caller: Caller, params: EventRecordParams, filing_key: str | None = None
+) -> EventRecordResult:
     """File one event. A session id must be one of this daemon's sessions; without one,
     or with one it does not know but an agent session id beside it, the agent session id
     is matched to this daemon's session (or the event is filed under it alone). The event
     counts for the caller's quota, which bounds every trail of one principal together
-    (agent session ids are the client's to choose)."""
+    (agent session ids are the client's to choose). ``filing_key``: see :func:`filed`."""
     kind, session_id, agent_session_id, payload = (
         params.kind, params.session_id, params.agent_session_id, params.payload
     )  # fmt: skip
@@ -75,9 +86,9 @@ def record(tx: Tx, caller: Caller, params: EventRecordParams) -> EventRecordResu
     quota.require_room(tx, principal, "events", quota_rows)
     event_id = tx.conn.execute(
         """INSERT INTO events (session_id, agent_session_id, kind, at, payload, daemon_id,
-               principal)
-           VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING event_id""",
-        (session_id, agent_session_id, kind, tx.now, packed, tx.daemon_id, principal),
+               principal, filing_key)
+           VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING event_id""",
+        (session_id, agent_session_id, kind, tx.now, packed, tx.daemon_id, principal, filing_key),
     ).fetchone()[0]
     note(tx, "events", TrailEvent(event_id, session_id, agent_session_id, kind, tx.now, payload))
     if session_id is not None and kind in _EXITED_BY_KIND:

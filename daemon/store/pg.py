@@ -40,7 +40,8 @@ from psycopg.adapt import PyFormat, Transformer
 WRITE_LOCK = 0x746F_7764_0057  # "towd" "W": the one advisory lock every box's writer takes
 CONNECT_TIMEOUT_S = 5  # every call that needs the store answers within this (issue 16)
 
-_SERVER_NOW_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+# floor, not the cast's rounding: a millisecond is the one that has begun, as in now_ms
+_SERVER_NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 # One simple-protocol message, one round trip: the statements run in order, and in READ
 # COMMITTED each takes its snapshot when it starts, so the clock is read, and every later
 # statement sees every commit made, once the lock is granted.

@@ -38,7 +38,7 @@ import psycopg
 
 from towerd.daemon.private_paths import StartRefused
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MIGRATE_LOCK = 0x746F_7764_004D  # "towd" "M": held (per transaction) while migrating
 APPLICATION = "towerd"  # meta 'application': this database is towerd's
 
@@ -92,12 +92,12 @@ class Migration:
 
 
 def _bytewise(statements: tuple[str, ...]) -> tuple[str, ...]:
-    """Each TEXT column of a CREATE TABLE as ``TEXT COLLATE "C"``: SQLite compares and
+    """Each TEXT column of a CREATE or ALTER TABLE as ``TEXT COLLATE "C"``: SQLite compares and
     sorts text by its bytes (BINARY) whatever the locale, and so does "C", where the
     database's default collation may be a language's (``ORDER BY key``, ``key > ?``)."""
     return tuple(
         re.sub(r"\bTEXT\b", 'TEXT COLLATE "C"', statement)
-        if statement.startswith("CREATE TABLE")
+        if statement.startswith(("CREATE TABLE", "ALTER TABLE"))
         else statement
         for statement in statements
     )
@@ -371,6 +371,17 @@ _AS_WRITTEN = (
             )""",
             _QUOTA_FUNCTION,
             *(trigger for table in _COUNTED_IN_STEP_1 for trigger in _counter_triggers(table)),
+        ),
+    ),
+    Migration(
+        2,
+        "hook events filed once: the key a queued hook event is filed under",
+        (
+            # As SQLite's step 10: minted before a hook event's first write, kept with it in
+            # the outbox; a second write under the same key files nothing.
+            "ALTER TABLE events ADD COLUMN filing_key TEXT",
+            """CREATE UNIQUE INDEX events_by_filing_key ON events (filing_key)
+               WHERE filing_key IS NOT NULL""",
         ),
     ),
 )

@@ -28,7 +28,7 @@ from towerd.daemon.private_paths import StartRefused
 log = structlog.get_logger("towerd.store")
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 
 # The tables whose rows a principal can create without bound, each counted per principal
@@ -389,6 +389,18 @@ MIGRATIONS: tuple[Migration, ...] = (
             # store has one box, so these only say when it last served.
             "ALTER TABLE daemons ADD COLUMN presence_at INTEGER NOT NULL DEFAULT 0",
             "ALTER TABLE daemons ADD COLUMN dead_at INTEGER",
+        ),
+    ),
+    Migration(
+        10,
+        "hook events filed once: the key a queued hook event is filed under",
+        (
+            # Minted by the daemon before a hook event's first write on a shared store and
+            # kept with it in the outbox (daemon/outbox.py): a second write under the same
+            # key files nothing. NULL for every other event.
+            "ALTER TABLE events ADD COLUMN filing_key TEXT",
+            """CREATE UNIQUE INDEX events_by_filing_key ON events (filing_key)
+               WHERE filing_key IS NOT NULL""",
         ),
     ),
 )

@@ -91,18 +91,31 @@ def event(n: int) -> HookEventParams:
 def test_the_outbox_is_bounded_drops_the_oldest_and_survives_a_restart(tmp_path: Path) -> None:
     outbox = Outbox(tmp_path, limit=3)
     for n in range(5):
-        outbox.put("alice", event(n))
+        outbox.put("alice", event(n), f"k{n}")
     assert [e.params.payload for e in outbox.events] == [2, 3, 4]
     assert outbox.dropped == 2
     again = Outbox(tmp_path, limit=3)  # the daemon restarted: the file holds the queue
     assert [e.params.payload for e in again.events] == [2, 3, 4]
     assert [e.principal for e in again.events] == ["alice"] * 3
+    assert [e.filing_key for e in again.events] == ["k2", "k3", "k4"]
+
+
+def test_an_outbox_written_before_filing_keys_still_loads(tmp_path: Path) -> None:
+    """A record of a towerd before filing keys (principal and params only) loads, keyless."""
+    import struct
+
+    import msgspec
+
+    record = msgspec.msgpack.encode(["alice", event(7)])
+    (tmp_path / OUTBOX_FILE).write_bytes(struct.pack(">I", len(record)) + record)
+    [loaded] = Outbox(tmp_path).events
+    assert (loaded.principal, loaded.params.payload, loaded.filing_key) == ("alice", 7, None)
 
 
 def test_a_torn_last_record_is_left_out_and_the_rest_kept(tmp_path: Path) -> None:
     outbox = Outbox(tmp_path)
     for n in range(2):
-        outbox.put("alice", event(n))
+        outbox.put("alice", event(n), f"k{n}")
     path = tmp_path / OUTBOX_FILE
     path.write_bytes(path.read_bytes()[:-3])  # a crash in the middle of an append
     assert [e.params.payload for e in Outbox(tmp_path).events] == [0]
@@ -116,10 +129,11 @@ async def test_forwarding_stops_at_an_unreachable_store_and_keeps_the_order(
 
     outbox = Outbox(tmp_path)
     for n in range(4):
-        outbox.put("alice", event(n))
+        outbox.put("alice", event(n), f"k{n}")
     seen: list[object] = []
 
-    async def write(principal: str, params: HookEventParams) -> None:
+    async def write(principal: str, params: HookEventParams, filing_key: str | None) -> None:
+        assert filing_key == f"k{params.payload}"  # each event under its own key, every time
         if params.payload == 1:
             raise BadArgs("refused for good")  # dropped, counted; the rest go on
         if params.payload == 2 and not seen.count("down"):

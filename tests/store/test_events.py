@@ -232,9 +232,16 @@ async def test_record_files_the_event_under_the_session_and_its_agent_session(
         assert before <= result.at <= now_ms()
         [row] = await sql(store, "SELECT * FROM events")
         assert row == (
-            result.event_id, session, "as-1", "Notification", result.at,
-            pack({"message": "hi"}), store.daemon_id, None,
-        )  # fmt: skip
+            result.event_id,
+            session,
+            "as-1",
+            "Notification",
+            result.at,
+            pack({"message": "hi"}),
+            store.daemon_id,
+            None,
+            None,
+        )  # fmt: skip (principal, filing_key: an event.record has none)
         assert notes == [
             (
                 "events",

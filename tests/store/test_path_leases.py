@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, opened, register
+from store_helpers import DEAD, LIVE, OTHER_LIVE, at, caller, opened, query, register
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import Store, agents, fleet, liveness
 from towerd.protocol.errors import Conflict, LeaseHeld, NotFound
@@ -247,3 +248,62 @@ async def test_a_session_start_under_towerd_session_id_adopts_a_new_agent_sessio
         assert (await row(store, other)).agent_session_id == "taken"
         await hook(store, "PreToolUse", "another", session_id=session)  # not a SessionStart
         assert (await row(store, session)).agent_session_id == "new"
+
+
+# --- a hook event written again under its filing key (the shared store's outbox) --------
+
+
+async def test_a_hook_event_written_again_under_its_filing_key_is_filed_once(
+    short_tmp: Path,
+) -> None:
+    """The second write under one filing key answers the first event and changes
+    nothing: no second event, no lease taken again."""
+    params = HookEventParams(
+        kind="PreToolUse", agent="claude", agent_session_id="as-f", cwd="/w", paths=["/w/a"]
+    )
+    async with opened(short_tmp) as store:
+        first = await store.write(agents.hook_event, caller(holder=LIVE), params, "key-1")
+        again = await store.write(agents.hook_event, caller(holder=LIVE), params, "key-1")
+        other = await store.write(agents.hook_event, caller(holder=LIVE), params, "key-2")
+    assert first.event_id > 0 and first.leased == ["/w/a"]
+    assert (again.event_id, again.at, again.session_id) == (
+        first.event_id,
+        first.at,
+        first.session_id,
+    )
+    assert again.leased == [] and not again.registered
+    assert other.event_id > first.event_id  # another key is another event
+    rows = query(short_tmp, "SELECT filing_key FROM events WHERE agent_session_id = 'as-f'")
+    assert sorted(row[0] for row in rows) == ["key-1", "key-2"]
+
+
+async def test_an_outbox_forward_whose_answer_was_lost_files_the_event_once(
+    short_tmp: Path,
+) -> None:
+    """The fault the filing key is for: a forward commits, its answer is lost (the store
+    looked unreachable), the event stays first in the outbox and is sent again."""
+    from towerd.daemon.outbox import Outbox
+    from towerd.protocol.errors import Unavailable
+
+    outbox = Outbox(short_tmp)
+    for n in range(2):
+        params = HookEventParams(
+            kind="PostToolUse", agent="claude", agent_session_id="as-o", payload={"n": n}
+        )
+        outbox.put("alice", params, f"filing-{n}")
+    answers_lost = 1
+    async with opened(short_tmp) as store:
+
+        async def write(principal: str, params: HookEventParams, filing_key: str | None) -> Any:
+            nonlocal answers_lost
+            result = await store.write(agents.hook_event, caller(), params, filing_key)
+            if answers_lost:  # committed, but the answer never came back
+                answers_lost -= 1
+                raise Unavailable("the store is unreachable", {"reason": "store_unreachable"})
+            return result
+
+        assert await outbox.forward(write) == 0  # the first stays first
+        assert await outbox.forward(write) == 2
+    assert outbox.dropped == 0  # the second send was answered, not refused
+    rows = query(short_tmp, "SELECT payload FROM events WHERE agent_session_id = 'as-o'")
+    assert sorted(msgspec.msgpack.decode(row[0])["n"] for row in rows) == [0, 1]  # once each

@@ -658,7 +658,7 @@ def test_only_the_current_schema_counts(fresh: _Database) -> None:
 @pytest.mark.parametrize("isolation", ["read committed", "repeatable read", "serializable"])
 def test_daemons_starting_together_migrate_once(fresh: _Database, isolation: str) -> None:
     """Four connections migrate one fresh database at once, whatever the server's
-    default isolation: one climbs from 0, the others find the top, none fails."""
+    default isolation: one climbs from 0, each step is taken once, none fails."""
     default = isolation.replace(" ", "\\ ")
     conns = [fresh.connect(options=f"-c default_transaction_isolation={default}") for _ in range(4)]
     start = threading.Barrier(len(conns))
@@ -679,7 +679,10 @@ def test_daemons_starting_together_migrate_once(fresh: _Database, isolation: str
         thread.join(timeout=60)  # a guard against a hang, not synchronisation
     assert not any(thread.is_alive() for thread in threads)
     assert errors == []
-    assert sorted(found) == [0] + [pg_schema.SCHEMA_VERSION] * 3
+    # One climbed from 0; the others found the top, or a step the first had taken and
+    # took the next themselves: a step run twice would have failed (its ALTER TABLE).
+    assert sorted(found)[0] == 0 and 0 not in sorted(found)[1:]
+    assert all(0 < version <= pg_schema.SCHEMA_VERSION for version in sorted(found)[1:])
     pg_schema.check_shape(conns[0])
 
 
