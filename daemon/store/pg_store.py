@@ -45,7 +45,13 @@ from towerd.daemon.store.config import StoreConfig
 from towerd.daemon.store.pg import PgConnection, connect, redacted
 from towerd.daemon.store.reconcile import start_daemon
 from towerd.daemon.store.store import Store, _fail_all
-from towerd.daemon.store.tx import STORE_UNREACHABLE, Tx, translate_pg_error, use_clock
+from towerd.daemon.store.tx import (
+    STORE_UNREACHABLE,
+    Tx,
+    now_ms,
+    translate_pg_error,
+    use_clock,
+)
 from towerd.protocol.errors import Unavailable
 from towerd.protocol.methods import DoctorResult, KeyCounts, ReconcileReport
 
@@ -221,6 +227,7 @@ class PgStore(Store):
                  reconciliation: ReconcileReport, dsn: str) -> None:  # fmt: skip
         self.dsn = dsn
         self._last_now = identity.now
+        self._server_ahead_ms = 0  # the server's clock minus towerd's, at the last batch
         self.reachable = True  # the last transaction reached the server
         self.store_error: str | None = None  # why not, when it did not
         super().__init__(config, writer, reader, identity, reconciliation, Path(os.devnull))
@@ -357,9 +364,19 @@ class PgStore(Store):
 
     def _batch_now(self, conn: Any) -> int:
         self._mark(None)  # the writer lock was granted: the server answers
+        if conn.server_now is not None:
+            self._server_ahead_ms = conn.server_now - now_ms()
         now = max(conn.server_now or 0, self._last_now)
         self._last_now = now
         return now
+
+    def _read_clock(self) -> int:
+        """A read's clock is the server's too (what is due or expired is decided on it,
+        issue 16), without a round trip: towerd's clock plus how far the server's was
+        ahead at the last batch (the presence heartbeat makes one every few seconds),
+        and never behind a batch this box made: a read after a write sees its deadlines
+        as the write set them."""
+        return max(now_ms() + self._server_ahead_ms, self._last_now)
 
     def _broken(self, conn: Any) -> bool:
         return bool(conn.broken)

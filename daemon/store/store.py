@@ -234,10 +234,9 @@ class Store:
                 if self.inline_reads:  # shared until the end of this loop step
                     asyncio.get_running_loop().call_soon(self._end_read)
             try:
-                return fn(
-                    Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), config=self.config,
-                       one_box=self.one_box), *args,
-                )  # fmt: skip
+                tx = Tx(conn, self.daemon_id, self.owner_epoch, self._read_clock(),
+                        config=self.config, one_box=self.one_box)  # fmt: skip
+                return fn(tx, *args)
             finally:
                 if not self.inline_reads:
                     self._end_read()
@@ -269,7 +268,7 @@ class Store:
 
         def run(conn: sqlite3.Connection) -> T:
             return fn(
-                Tx(conn, self.daemon_id, self.owner_epoch, now_ms(), config=self.config,
+                Tx(conn, self.daemon_id, self.owner_epoch, self._read_clock(), config=self.config,
                    one_box=self.one_box), *args,
             )  # fmt: skip
 
@@ -488,6 +487,10 @@ class Store:
 
     def _batch_now(self, conn: Any) -> int:
         """The clock reading of a batch (after BEGIN): towerd's own clock on SQLite."""
+        return now_ms()
+
+    def _read_clock(self) -> int:
+        """The clock reading of a read: towerd's own clock on SQLite."""
         return now_ms()
 
     def _broken(self, conn: Any) -> bool:
