@@ -21,6 +21,8 @@ import pytest
 
 from towerd_testing import TOWERCTL, Daemon, towerctl, wait_for
 
+pytestmark = pytest.mark.both_backends
+
 FAKE_AGENT = Path(__file__).parent.parent / "fixtures" / "fake_agent.py"
 PLAIN_PATH = "/usr/local/bin:/usr/bin:/bin"  # no venv: hooks run without it
 

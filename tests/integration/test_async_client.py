@@ -25,8 +25,9 @@ from towerd.client import (
     UnknownMethod,
     run_once_async,
 )
+from towerd_testing import db_location
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.both_backends]
 UID = os.geteuid()
 
 
@@ -49,7 +50,7 @@ async def test_hello_ping_status(daemon):
         assert status["daemon_id"] == c.hello["daemon_id"]
         assert status["owner_epoch"] == c.hello["owner_epoch"] == 1
         assert status["socket_path"] == str(daemon.socket_path)
-        assert status["db_path"] == str(daemon.state_dir / "towerd.db")
+        assert status["db_path"] == db_location(daemon)
         assert status["sessions"] == 0
         assert status["keys"] == {
             "in_progress": 0,

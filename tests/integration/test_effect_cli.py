@@ -12,7 +12,6 @@ import errno
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +21,9 @@ import pytest
 from towerd.client import IdempotencyKeyUnknown
 from towerd.client.exactly_once import output_digest
 from towerd.protocol.naming import effect_key
-from towerd_testing import TOWERCTL, towerctl, wait_for
+from towerd_testing import TOWERCTL, store_query, towerctl, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 TARGET = "refs/heads/main"  # a shared git-push target: takes a lease
 
@@ -147,12 +148,11 @@ def test_a_failed_run_is_retried_on_purpose_once_and_logged(daemon, short_tmp):
     assert reopened.returncode == 0, reopened.stderr
     assert json.loads(reopened.stdout)["previous"]["result"]["exit_status"] == 1
     assert towerctl(daemon, "run", "--key", "other", "--", "true").returncode == 0
-    with sqlite3.connect(daemon.state_dir / "towerd.db") as db:
-        actions = [
-            json.loads(detail)
-            for action, detail in db.execute("SELECT action, detail FROM operator_log")
-            if action == "idem.reopen"
-        ]
+    actions = [
+        json.loads(detail)
+        for action, detail in store_query(daemon, "SELECT action, detail FROM operator_log")
+        if action == "idem.reopen"
+    ]
     assert [(a["key"], a["reason"]) for a in actions] == [
         ("push:42", "towerctl run --retry-failed"),
         ("other", "flaky"),

@@ -19,7 +19,9 @@ import pytest
 
 from towerd.client.exactly_once import NotProbeable, parse_git_push
 from towerd.protocol.naming import effect_key
-from towerd_testing import TOWERCTL, towerctl, wait_for
+from towerd_testing import TOWERCTL, store_query, towerctl, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 REF = "refs/heads/release"  # a shared git-push target (not the run's branch): leased
 RUN, STEP = "run_9", "publish"
@@ -110,13 +112,7 @@ def test_a_push_killed_after_it_completed_is_settled_committed_at_reconciliation
 
 
 def query_log(daemon) -> list[tuple[str, str, str]]:
-    import sqlite3
-
-    conn = sqlite3.connect(daemon.state_dir / "towerd.db")
-    try:
-        rows = conn.execute("SELECT principal, action, detail FROM operator_log").fetchall()
-    finally:
-        conn.close()
+    rows = store_query(daemon, "SELECT principal, action, detail FROM operator_log")
     return [(p, a, json.loads(d).get("outcome")) for p, a, d in rows]
 
 

@@ -38,6 +38,8 @@ from towerd.client import (
 from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder, lite
 from towerd_testing import Daemon, wait_for
 
+pytestmark = pytest.mark.both_backends
+
 ALL_TOPICS = ["fleet", "events", "idem", "leases", "effects", "dispatch"]
 UID = os.geteuid()
 PRINCIPAL = f"uid:{UID}:default"
