@@ -38,9 +38,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 from _loadgen import (
     LoadResult,
     check_result,
@@ -121,6 +123,28 @@ def record_answers(path: Path, requests: dict[str, bytes]) -> dict[str, bytes]:
             check_result(payload, method)
             answers[method] = len(payload).to_bytes(4, "big") + payload
     return answers
+
+
+def codec_floor_us(requests: dict[str, bytes], answers: dict[str, bytes]) -> dict[str, float]:
+    """The least Python work an answer takes in towerd, per method, in us: decode the
+    request and its params, encode the (recorded) result as the Struct the daemon has,
+    as the server does (protocol/envelope.py). The echo ceiling does none of it."""
+    from towerd.protocol.envelope import decode_request, encode_result
+    from towerd.protocol.methods import METHODS, PARAMS_DECODERS
+
+    floors = {}
+    for method, frame_bytes in requests.items():
+        payload = frame_bytes[4:]
+        answer = msgspec.msgpack.decode(answers[method][4:])
+        result = msgspec.convert(answer["result"], METHODS[method].result)
+        rounds = 20_000
+        started = time.perf_counter()
+        for _ in range(rounds):
+            request = decode_request(payload)
+            PARAMS_DECODERS[method].decode(request.params)
+            encode_result(request.id, result)
+        floors[method] = (time.perf_counter() - started) / rounds * 1e6
+    return floors
 
 
 DISTURBED: list[str] = []  # runs during which something else used the machine
@@ -497,11 +521,18 @@ def main() -> None:
                 f"warning: {len(DISTURBED)} run(s) shared the machine with other work (other "
                 f"CPU > 25% of a core): {', '.join(DISTURBED)}; compare with care or re-run"
             )
+        codec = codec_floor_us(requests, answers)
         for method in requests:
             ratio = one[method, "towerd"].p50 / one[method, ceiling.name].p50
             print(
                 f"target: reads 1 client, {method} p50 <= {P50_TARGET}x {ceiling.name}: "
                 f"measured {ratio:.2f}x -> {verdict(ratio <= P50_TARGET)}"
+            )
+            slack = one[method, ceiling.name].p50 * (P50_TARGET - 1) / 1000
+            over = (one[method, "towerd"].p50 - one[method, ceiling.name].p50) / 1000
+            print(
+                f"  towerd's p50 is {over:.1f} us over the echo's; {P50_TARGET}x leaves {slack:.1f} us, and decoding the request "
+                f"and encoding its answer alone take {codec[method]:.1f} us (measured here)"
             )
         if placement:
             ratios = {
@@ -519,6 +550,19 @@ def main() -> None:
             print(
                 f"target: reads {args.clients} clients, {method} req/s >= {RPS_TARGET}x "
                 f"{ceiling.name}: measured {ratio:.2f}x -> {verdict(ratio >= RPS_TARGET)}"
+            )
+
+            # Why, in this run: CPU per answer (CPU share over req/s), the server's and the
+            # load generator's; on shared cores the rate goes as 1 / (server + generator).
+            def per_request(name: str, which: str, method: str = method) -> float:
+                return many[method, name].cpu(which) * 1e4 / many[method, name].rps
+
+            server, echo = (per_request(n, "server_cpu_pct") for n in ("towerd", ceiling.name))
+            generator = per_request(ceiling.name, "gen_cpu_pct")
+            print(
+                f"  CPU per request: towerd {server:.1f} us, {ceiling.name} {echo:.1f} us, "
+                f"the generator {generator:.1f} us; {RPS_TARGET}x would need towerd at "
+                f"<= {(echo + generator) / RPS_TARGET - generator:.1f} us"
             )
         for method, ratio in cold_ratios.items():
             print(
