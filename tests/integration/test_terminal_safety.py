@@ -200,7 +200,9 @@ class Terminal:
     def __init__(self, root: Path) -> None:
         self.socket = str(root / "tmux.sock")
         self.raw = root / "raw"
-        self.env = {**os.environ, "TERM": os.environ.get("TERM") or "xterm-256color"}
+        # The pane's size is tmux's, not COLUMNS/LINES (pytest-xdist's workers set 80x24).
+        inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        self.env = {**inherited, "TERM": os.environ.get("TERM") or "xterm-256color"}
 
     def tmux(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(["tmux", "-S", self.socket, *args], capture_output=True,

@@ -55,7 +55,10 @@ class Screen:
     def __init__(self, root: Path, name: str = "top") -> None:
         self.socket = str(root / "tmux.sock")
         self.name = name
-        self.env = {**os.environ, "TERM": os.environ.get("TERM") or "xterm-256color"}
+        # The pane's size is tmux's: COLUMNS and LINES (pytest-xdist's workers set 80x24)
+        # would make rich draw for a terminal of that size instead.
+        inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        self.env = {**inherited, "TERM": os.environ.get("TERM") or "xterm-256color"}
 
     def tmux(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
