@@ -38,6 +38,10 @@ class StoreConfig:
     # SQLite: how long a write batch waits for a write lock another connection holds (a
     # truncating checkpoint, a process outside towerd) before its callers are refused.
     busy_timeout_ms: int = DEFAULT_BUSY_TIMEOUT_MS
+    # SQLite: how long the next batch may wait for the client processes the last one
+    # answered (a commit delay: Store._hold; 0: never), and up to how many of them.
+    commit_hold_us: int = 300
+    commit_hold_max_writers: int = 16
     # Open the store as this daemon id instead of the state dir's own (several
     # daemons sharing one store; tests of ownership between daemons).
     daemon_id: str | None = None

@@ -439,3 +439,77 @@ async def test_a_write_lock_held_past_the_busy_timeout_refuses_the_batch_and_wri
         holder.close()
         assert await register(store) is not None
         assert refused not in {row.session_id for row in await rows(store)}
+
+
+# --- the commit hold: writers in turn share one batch ------------------------------------
+
+HELD_LONG_US = 10_000_000  # a hold that only the writers' return can end within a test
+
+
+def claim_params(key: str) -> IdemClaimParams:
+    return IdemClaimParams(operation="op", key=key)
+
+
+@pytest.mark.sqlite_only
+async def test_the_next_batch_waits_for_the_writers_the_last_one_answered(
+    short_tmp: Path,
+) -> None:
+    """Client processes 101 and 102 were answered by one batch; 103's write, queued
+    right after, waits until both have written again, and the three share a batch."""
+    seen: list[Tx] = []
+    claim = noting_batch(seen, idempotency.claim)
+    async with opened(short_tmp, commit_hold_us=HELD_LONG_US) as store:
+        started = time.monotonic()
+        first = [store.write(claim, caller(pid=pid), claim_params(f"k{pid}")) for pid in (101, 102)]
+        for future in first:
+            await future
+        third = store.write(claim, caller(pid=103), claim_params("k103"))
+        await wait_all_tasks_blocked()
+        assert not third.done()  # held: 101 and 102 have not written again
+        again = [store.write(claim, caller(pid=101), claim_params("k101b"))]
+        await wait_all_tasks_blocked()
+        assert not third.done()  # 102 still out
+        again.append(store.write(claim, caller(pid=102), claim_params("k102b")))
+        for future in (third, *again):
+            await future
+        assert time.monotonic() - started < HELD_LONG_US / 1e6 / 2  # ended by 102, not the timer
+    assert seen[0] is seen[1]  # the first batch
+    assert seen[2] is seen[3] is seen[4] and seen[2] is not seen[0]  # 103, 101, 102 together
+
+
+@pytest.mark.sqlite_only
+async def test_one_writer_in_turn_never_waits(short_tmp: Path) -> None:
+    """Its next write is the one it was answered for: no hold, however long it may be."""
+    async with opened(short_tmp, commit_hold_us=HELD_LONG_US) as store:
+        started = time.monotonic()
+        for n in range(20):
+            await store.write(idempotency.claim, caller(pid=101), claim_params(f"k{n}"))
+        assert time.monotonic() - started < HELD_LONG_US / 1e6 / 2
+
+
+@pytest.mark.sqlite_only
+async def test_a_writer_that_does_not_come_back_holds_the_batch_no_longer_than_the_hold(
+    short_tmp: Path,
+) -> None:
+    async with opened(short_tmp, commit_hold_us=50_000) as store:
+        first = [store.write(idempotency.claim, caller(pid=pid), claim_params(f"k{pid}"))
+                 for pid in (101, 102)]  # fmt: skip
+        for future in first:
+            await future
+        started = time.monotonic()
+        await store.write(idempotency.claim, caller(pid=103), claim_params("k103"))
+        waited = time.monotonic() - started
+    assert 0.04 <= waited < 5  # the hold's timer ended it
+    assert query(short_tmp, "SELECT count(*) FROM idempotency") == [(3,)]
+
+
+@pytest.mark.sqlite_only
+async def test_more_writers_than_the_hold_takes_are_not_held(short_tmp: Path) -> None:
+    async with opened(short_tmp, commit_hold_us=HELD_LONG_US, commit_hold_max_writers=1) as store:
+        first = [store.write(idempotency.claim, caller(pid=pid), claim_params(f"k{pid}"))
+                 for pid in (101, 102)]  # fmt: skip
+        for future in first:
+            await future
+        started = time.monotonic()
+        await store.write(idempotency.claim, caller(pid=103), claim_params("k103"))
+        assert time.monotonic() - started < HELD_LONG_US / 1e6 / 2
