@@ -80,6 +80,11 @@ def main(argv: list[str] | None = None) -> None:
         from towerd.client.hook_report import report
 
         sys.exit(report(socket_path=socket_path))
+    # The other commands hooks and wrappers run per event (idem claim, run --key, ...):
+    # parsed without argparse when plain enough, else by argparse below.
+    from towerd.client.cli.lean import main as lean_main
+
+    lean_main(argv)
     from towerd.client.cli.app import parse_and_run
 
     parse_and_run(argv)
