@@ -29,7 +29,7 @@ in the module constants and documented in ``towerctl --help``.
 from __future__ import annotations
 
 import os
-import selectors  # socket imports it anyway
+import selectors  # CMD's pipes and its pidfd, in _pump
 import signal
 import sys
 
