@@ -133,8 +133,47 @@ def command_lines(draw: st.DrawFn) -> list[str]:
     return tokens
 
 
+PLAIN_VALUES = st.one_of(
+    st.sampled_from(["", "x", "5", " 7", "1e3", "a b", "=", "a=b", "é", "{}", "10m", "b\udcff"]),
+    st.text(alphabet=st.characters(blacklist_characters="-", blacklist_categories=["Cs"]),
+            max_size=5),
+)  # fmt: skip
+
+
+@st.composite
+def well_formed_lines(draw: st.DrawFn) -> list[str]:
+    """Lines of the shape hooks write: the command's options (each in either form, in any
+    order, global ones among them), its positionals in one run, run's CMD after --."""
+    path = draw(st.sampled_from(sorted(LEAN_COMMANDS)))
+    options, positionals = _specs(_command(path))
+    pieces: list[list[str]] = []
+    for name in draw(st.lists(st.sampled_from(sorted(options) + list(GLOBALS)), max_size=5)):
+        flag = name == "--json" or (name in options and options[name][1] is None)
+        value = draw(PLAIN_VALUES)
+        if name in ("--holder-pid", "--timeout"):
+            value = draw(st.sampled_from(["1", "42", " 3", "2.5", "x", "1e3"]))
+        if flag:
+            pieces.append([name])
+        elif draw(st.booleans()):
+            pieces.append([f"{name}={value}"])
+        else:
+            pieces.append([name, value])
+    nargs = [spec.options.get("nargs") for spec in positionals]
+    if nargs == ["+"]:
+        pieces.append(draw(st.lists(PLAIN_VALUES, min_size=1, max_size=3)))
+    elif nargs and nargs[-1] != "...":
+        pieces.append([draw(PLAIN_VALUES) for _ in nargs])
+    order = draw(st.permutations(range(len(pieces))))
+    before = draw(st.integers(0, len(pieces)))  # some go before the command words
+    tokens = [t for i in order[:before] for t in pieces[i]]
+    tokens += list(path) + [t for i in order[before:] for t in pieces[i]]
+    if nargs[-1:] == ["..."]:
+        tokens += ["--", *draw(st.lists(PLAIN_VALUES, min_size=1, max_size=3))]
+    return tokens
+
+
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(command_lines())
+@given(st.one_of(command_lines(), well_formed_lines()))
 @example(["idem", "claim", "op", "--json", "key"])
 @example(["claim", "a", "b", "--session=", "c"])
 @example(["idem", "claim", "a", "b", "--payload="])
