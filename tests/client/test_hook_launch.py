@@ -101,3 +101,18 @@ def test_the_launcher_finds_towerd_from_its_own_place(monkeypatch):
     assert module._towerd_root(LAUNCHER) == str(Path(LAUNCHER).parent.parent)
     monkeypatch.chdir("/tmp")
     assert module._towerd_root("a/client/_hook_launch.py") == "/tmp/a"
+
+
+def test_the_launcher_puts_the_venvs_dependencies_on_the_path():
+    """Without site, sys.prefix is the base interpreter's: the launcher must still find
+    the venv's site-packages (msgspec, rich: commands other than the hook path)."""
+    code = (
+        f"import runpy, sys; launcher = runpy.run_path({LAUNCHER!r}, run_name='launcher'); "
+        f"launcher['_prepare']({LAUNCHER!r}); import msgspec, rich; "
+        "print(msgspec.__file__); print('site' in sys.modules)"
+    )
+    done = subprocess.run([PYTHON, "-I", "-S", "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    where, site_loaded = done.stdout.split()
+    venv = os.path.dirname(os.path.dirname(PYTHON))
+    assert where.startswith(venv + "/lib/") and site_loaded == "False"
