@@ -33,9 +33,22 @@ checked on every run):
   towerd.client.hook_report import report; report()'``: without towerctl's CLI
   module (argparse and the rest), what a dedicated entry point would cost.
 
-Prints median, p90, p95 and min, the ratio of each median to the floor's, the
-targets (the hook process within 1.25x the floor; against the write floor too; the
-guard's allowed path within 1.3x hook-report's),
+The hook path, for two installs (issue 17): *editable* is this venv (``pip install
+-e``: its ``.pth`` import finder runs in every process that starts with ``site``);
+*wheel* is a regular install, built here (``pip wheel --no-deps``) into a fresh venv
+(``--without-pip``, the wheel installed ``--no-deps --no-index``, the dependencies
+found through a ``.pth`` naming this venv's site-packages). For each: its floor (the
+floor script run by that venv's python, site and all) and the same under ``-I -S``;
+then every command a hook or a wrapper runs per agent event (``hook`` allowed and
+denied, ``hook-report``, ``idem claim``, ``idem complete``, ``claim PATH``, ``run --key
+K -- true``, ``ping``), each through the launcher ``hooks install`` wires
+(``<python> -I -S <towerd>/client/_hook_launch.py``: no site) and through the
+``towerctl`` console script (pip's wrapper, with site); and the step floor.
+
+Prints median, p90, p95 and min, the ratio of each median to its install's floor,
+the targets (the hook process within 1.25x the floor, on each install, through what
+hooks run: the launcher; against the write floor too; the guard's allowed path
+within 1.3x hook-report's; ``run --key`` within 1.1x the step floor),
 and for towerctl, the python -c client and hook-report the imports that cost
 the most (one ``-X importtime`` run).
 """
@@ -51,6 +64,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from contextlib import closing
@@ -68,6 +82,7 @@ TARGET = 1.25  # the one-shot hook process: wall time at most this many times th
 GUARD_TARGET = 1.3  # towerctl hook's allowed edit: at most this many times hook-report's
 STEP_TARGET = 1.1  # towerctl run --key: at most this many times the same step by hand
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: protocol/, client/
+LAUNCHER = "_hook_launch.py"  # towerd/client/: what `towerctl hooks install` wires
 
 FLOOR_SCRIPT = """\
 import socket
@@ -235,6 +250,43 @@ def import_costs(
     return lines
 
 
+def wheel_install(workdir: Path) -> Path:
+    """A regular install of this checkout in a fresh venv (its root): the wheel built
+    from the tracked files, installed without dependencies or an index; a .pth names
+    this venv's site-packages for the dependencies (a plain path line: its own .pth
+    files, the editable finder among them, are not run)."""
+    source = workdir / "source"
+    listed = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard", "-z"],
+        capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    dist = workdir / "dist"
+    subprocess.run(
+        [PYTHON, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(dist)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = dist.glob("towerd-*.whl")
+    venv = workdir / "wheel-venv"
+    subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run(
+        [PYTHON, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps",
+         "--no-index", "-q", str(wheel)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (venv / "lib" / VERSION_DIR / "site-packages" / "towerd-deps.pth").write_text(
+        sysconfig.get_paths()["purelib"] + "\n"
+    )
+    return venv
+
+
+VERSION_DIR = f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a ~20 s smoke run")
@@ -309,8 +361,8 @@ def main() -> None:
         hook_env = {"TOWERD_SOCKET": sock, "TOWERD_SESSION_ID": session}
 
         floor = Command("floor: stdlib script", [PYTHON, str(floor_script)])
+        bare_floor = Command("floor, python -I -S", [PYTHON, "-I", "-S", str(floor_script)])
         write_floor = Command("write floor: event.record", [PYTHON, str(write_floor_script)])
-        hook = Command("towerctl hook-report", [TOWERCTL, "hook-report"], hook_stdin, hook_env)
         no_daemon = Command(
             "hook-report, no daemon",
             [TOWERCTL, "hook-report"],
@@ -325,21 +377,6 @@ def main() -> None:
             hook_stdin,
             hook_env,
         )
-        allowed = Command("towerctl hook, Edit allowed", guard_argv, allowed_stdin, guard_env)
-        denied = Command("towerctl hook, Edit denied", guard_argv, denied_stdin, guard_env)
-        # The other commands a hook or a wrapper runs once per agent event.
-        ctl = [TOWERCTL, "--socket", sock]
-        with Client(sock) as client:
-            for n in range(warmups + runs):  # what each `idem complete` run completes
-                client.idem_claim("bench", f"pre-{n}")
-        idem_claim = Command("towerctl idem claim", [*ctl, "idem", "claim", "bench", "c-{n}"])
-        idem_complete = Command(
-            "towerctl idem complete", [*ctl, "idem", "complete", "bench", "pre-{n}"]
-        )
-        run_step = Command("towerctl run --key K -- true", [*ctl, "run", "--key", "s-{n}", "--",
-                                                            "true"])  # fmt: skip
-        # From an agent's shell (this process is the agent of EDITOR_SESSION by now).
-        claim_path = Command("towerctl claim PATH", [*ctl, "claim", str(workdir / "c.py")])
         step_db = workdir / "step.db"
         with closing(sqlite3.connect(step_db)) as db:
             db.execute("PRAGMA journal_mode = WAL")
@@ -359,24 +396,82 @@ def main() -> None:
             hook_stdin,
             hook_env,
         )
+
+        def hook_path(install: str, python: str, script: str, launcher: str) -> dict:
+            """Every command a hook or a wrapper runs per agent event, through the
+            launcher (what `hooks install` wires) and through the console script."""
+            rows: dict[str, dict[str, Command]] = {}
+            forms = (("towerctl", [script]), ("launcher", [python, "-I", "-S", launcher]))
+            for form, prefix in forms:
+                name, tag = f"{install}: {form}", f"{install[0]}{form[0]}"
+                with Client(sock) as client:
+                    for n in range(warmups + runs):  # what each `idem complete` run completes
+                        client.idem_claim("bench", f"pre-{tag}-{n}")
+                ctl = [*prefix, "--socket", sock]
+                hook = [*prefix, "hook", "--agent", "claude"]
+                rows[form] = {
+                    "hook allowed": Command(
+                        f"{name} hook, Edit allowed", hook, allowed_stdin, guard_env
+                    ),
+                    "hook denied": Command(
+                        f"{name} hook, Edit denied", hook, denied_stdin, guard_env
+                    ),
+                    "hook-report": Command(
+                        f"{name} hook-report", [*prefix, "hook-report"], hook_stdin, hook_env
+                    ),
+                    "idem claim": Command(
+                        f"{name} idem claim", [*ctl, "idem", "claim", "bench", f"c-{tag}-{{n}}"]
+                    ),
+                    "idem complete": Command(
+                        f"{name} idem complete",
+                        [*ctl, "idem", "complete", "bench", f"pre-{tag}-{{n}}"],
+                    ),
+                    # From an agent's shell (this process is EDITOR_SESSION's agent by now).
+                    "claim PATH": Command(
+                        f"{name} claim PATH", [*ctl, "claim", str(workdir / "c.py")]
+                    ),
+                    "run --key": Command(
+                        f"{name} run --key K -- true",
+                        [*ctl, "run", "--key", f"s-{tag}-{{n}}", "--", "true"],
+                    ),
+                    "ping": Command(f"{name} ping", [*ctl, "ping"]),
+                }
+            return rows
+
+        editable = hook_path("editable", PYTHON, TOWERCTL, str(ROOT / "client" / LAUNCHER))
+        wheel_venv = wheel_install(workdir / "wheel")
+        wheel_python = str(wheel_venv / "bin" / "python")
+        wheel_launcher = wheel_venv / "lib" / VERSION_DIR / "site-packages" / "towerd" / "client"
+        wheel = hook_path(
+            "wheel", wheel_python, str(wheel_venv / "bin" / "towerctl"),
+            str(wheel_launcher / LAUNCHER),
+        )  # fmt: skip
+        wheel_floor = Command("wheel: floor: stdlib script", [wheel_python, str(floor_script)])
+        wheel_bare_floor = Command(
+            "wheel: floor, python -I -S", [wheel_python, "-I", "-S", str(floor_script)]
+        )
+        wheel_step_floor = Command(
+            "wheel: step floor: sqlite3 by hand",
+            [wheel_python, str(step_script), str(step_db), "w-{n}"],
+        )
+        floors = {"editable": (floor, bare_floor), "wheel": (wheel_floor, wheel_bare_floor)}
         commands = [
             floor,
-            Command("floor, python -I -S", [PYTHON, "-I", "-S", str(floor_script)]),
+            bare_floor,
             Command("python -c pass", [PYTHON, "-c", "pass"]),
-            Command("towerctl ping", [TOWERCTL, "--socket", sock, "ping"]),
             Command("python -c Client().ping()", [PYTHON, "-c", client_code]),
             write_floor,
-            hook,
             no_daemon,
             lean,
-            allowed,
-            denied,
-            idem_claim,
-            idem_complete,
-            claim_path,
-            run_step,
-            step_floor,
             no_finder,
+            step_floor,
+            *editable["towerctl"].values(),
+            *editable["launcher"].values(),
+            wheel_floor,
+            wheel_bare_floor,
+            wheel_step_floor,
+            *wheel["towerctl"].values(),
+            *wheel["launcher"].values(),
         ]
         for command in commands:
             for _ in range(warmups):
@@ -392,75 +487,121 @@ def main() -> None:
         if recorded["last_kind"] != "PostToolUse":
             raise SystemExit(f"hook-report recorded nothing: {recorded}")
 
+        def install_of(command: Command) -> str:
+            return "wheel" if command.name.startswith("wheel:") else "editable"
+
         print()
         print(f"one-shot processes: {runs} runs each after {warmups} warm-ups, shuffled rounds")
         print(
-            f"{'command':28} {'median ms':>9} {'p90 ms':>8} {'p95 ms':>8} {'min ms':>8} "
-            f"{'x floor':>8}"
+            "x floor: the median over its install's floor (the stdlib script run by that "
+            "venv's python); x -I -S: over the same floor under -I -S"
+        )
+        print(
+            f"{'command':46} {'median ms':>9} {'p90 ms':>8} {'p95 ms':>8} {'min ms':>8} "
+            f"{'x floor':>8} {'x -I -S':>8}"
         )
         for command in commands:
+            base, bare = floors[install_of(command)]
             print(
-                f"{command.name:28} {command.median:9.1f} {percentile(command.walls, 0.9):8.1f} "
+                f"{command.name:46} {command.median:9.1f} {percentile(command.walls, 0.9):8.1f} "
                 f"{percentile(command.walls, 0.95):8.1f} {min(command.walls):8.1f} "
-                f"{command.median / floor.median:8.2f}"
+                f"{command.median / base.median:8.2f} {command.median / bare.median:8.2f}"
             )
+        hook = editable["launcher"]["hook-report"]
         print(
             f"hook-report payload: {len(hook_stdin)} bytes of JSON on stdin; "
-            f"hook-report vs write floor: {hook.median / write_floor.median:.2f}x"
+            f"hook-report (editable, launcher) vs write floor: "
+            f"{hook.median / write_floor.median:.2f}x"
         )
 
         print()
         print("where the time goes (one -X importtime run each; ms, noisy):")
         print("floor (stdlib script; what site and the venv's .pth files cost every hook):")
         print("\n".join(import_costs([str(floor_script)], env, top=4)))
-        print("towerctl ping:")
+        print("towerctl ping (editable, console script):")
         print("\n".join(import_costs([TOWERCTL, "--socket", sock, "ping"], env)))
         print("python -c Client().ping():")
         print("\n".join(import_costs(["-c", client_code], env)))
-        print("towerctl hook, Edit allowed:")
-        print(
-            "\n".join(import_costs([TOWERCTL, "hook"], {**env, **guard_env}, stdin=allowed_stdin))
-        )
-        print("towerctl hook-report:")
+        launcher_argv = ["-I", "-S", str(ROOT / "client" / LAUNCHER)]
+        print("idem claim (editable, launcher):")
         print(
             "\n".join(
-                import_costs([TOWERCTL, "hook-report"], {**env, **hook_env}, stdin=hook_stdin)
+                import_costs(
+                    [*launcher_argv, "--socket", sock, "idem", "claim", "bench", "imp"], env
+                )  # fmt: skip
+            )
+        )
+        print("run --key K -- true (editable, launcher):")
+        print(
+            "\n".join(
+                import_costs(
+                    [*launcher_argv, "--socket", sock, "run", "--key", "imp", "--", "true"], env
+                )
+            )
+        )
+        print("towerctl hook, Edit allowed (editable, launcher):")
+        print(
+            "\n".join(
+                import_costs([*launcher_argv, "hook"], {**env, **guard_env}, stdin=allowed_stdin)
             )
         )
 
         print()
-        hook_path = (hook, allowed, denied, idem_claim, idem_complete, claim_path)
-        for command in (commands[3], commands[4], no_daemon, lean, no_finder, *hook_path):
+        labels = {
+            "launcher": "the hook path: what hooks install wires",
+            "towerctl": "the console script, for reference",
+        }
+        for install, rows in (("editable", editable), ("wheel", wheel)):
+            base, _bare = floors[install]
+            for form in ("launcher", "towerctl"):
+                for what, command in rows[form].items():
+                    if what == "run --key":
+                        continue  # against the step floor, below
+                    ratio = command.median / base.median
+                    print(
+                        f"target: one-shot {command.name} ({labels[form]}) median <= {TARGET}x "
+                        f"its install's stdlib floor: measured {ratio:.2f}x "
+                        f"({command.median:.1f} / {base.median:.1f} ms) -> "
+                        f"{'met' if ratio <= TARGET else 'NOT met'}"
+                    )
+        for command in (no_daemon, lean, no_finder):
             ratio = command.median / floor.median
-            bar = "the hook process" if command in hook_path else "same bar, for reference"
             print(
-                f"target: one-shot {command.name} ({bar}) median <= {TARGET}x the stdlib floor: "
-                f"measured {ratio:.2f}x ({command.median:.1f} / {floor.median:.1f} ms) -> "
-                f"{'met' if ratio <= TARGET else 'NOT met'}"
+                f"target: one-shot {command.name} (same bar, for reference) median <= {TARGET}x "
+                f"the stdlib floor: measured {ratio:.2f}x ({command.median:.1f} / "
+                f"{floor.median:.1f} ms) -> {'met' if ratio <= TARGET else 'NOT met'}"
             )
         ratio = hook.median / write_floor.median
         print(
-            f"target: towerctl hook-report median <= {TARGET}x the write floor (the same "
-            f"event.record from a stdlib script): measured {ratio:.2f}x ({hook.median:.1f} / "
-            f"{write_floor.median:.1f} ms) -> {'met' if ratio <= TARGET else 'NOT met'}"
+            f"target: hook-report (editable, launcher) median <= {TARGET}x the write floor (the "
+            f"same event.record from a stdlib script): measured {ratio:.2f}x ({hook.median:.1f} "
+            f"/ {write_floor.median:.1f} ms) -> {'met' if ratio <= TARGET else 'NOT met'}"
         )
-        ratio = allowed.median / hook.median
-        print(
-            f"target: towerctl hook, Edit allowed, median <= {GUARD_TARGET}x hook-report's: "
-            f"measured {ratio:.2f}x ({allowed.median:.1f} / {hook.median:.1f} ms) -> "
-            f"{'met' if ratio <= GUARD_TARGET else 'NOT met'}"
-        )
-        ratio = run_step.median / step_floor.median
-        print(
-            f"target: an idempotent step (claim, `true`, complete) through towerctl run median "
-            f"<= {STEP_TARGET}x the same by hand against a SQLite file: measured {ratio:.2f}x "
-            f"({run_step.median:.1f} / {step_floor.median:.1f} ms) -> "
-            f"{'met' if ratio <= STEP_TARGET else 'NOT met'}"
-        )
+        for install, rows in (("editable", editable), ("wheel", wheel)):
+            allowed, report = rows["launcher"]["hook allowed"], rows["launcher"]["hook-report"]
+            ratio = allowed.median / report.median
+            print(
+                f"target: {install}: launcher hook, Edit allowed, median <= {GUARD_TARGET}x "
+                f"hook-report's: measured {ratio:.2f}x ({allowed.median:.1f} / "
+                f"{report.median:.1f} ms) -> {'met' if ratio <= GUARD_TARGET else 'NOT met'}"
+            )
+        steps = (("editable", editable, step_floor), ("wheel", wheel, wheel_step_floor))
+        for install, rows, base in steps:
+            for form in ("launcher", "towerctl"):
+                run_step = rows[form]["run --key"]
+                ratio = run_step.median / base.median
+                print(
+                    f"target: {install}: an idempotent step (claim, `true`, complete) through "
+                    f"{form} run ({labels[form]}) median <= {STEP_TARGET}x the same by hand "
+                    f"against a SQLite file: measured {ratio:.2f}x ({run_step.median:.1f} / "
+                    f"{base.median:.1f} ms) -> {'met' if ratio <= STEP_TARGET else 'NOT met'}"
+                )
+        script_report = editable["towerctl"]["hook-report"]
         print(
             f"the editable install's import finder costs hook-report "
-            f"{hook.median - no_finder.median:.1f} ms ({hook.median:.1f} vs "
-            f"{no_finder.median:.1f} ms without it)"
+            f"{script_report.median - no_finder.median:.1f} ms ({script_report.median:.1f} vs "
+            f"{no_finder.median:.1f} ms without it); the launcher pays neither it nor site "
+            f"({hook.median:.1f} ms)"
         )
         holder_agent.kill()
         ok = True

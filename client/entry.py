@@ -1,10 +1,14 @@
 """``towerctl``'s entry point. Every agent hook runs ``towerctl hook`` (or the older
 ``towerctl hook-report``), so those commands are recognised here and run without loading
 the CLI (argparse and the command
-declarations cost about 3 ms a hook); everything else goes to the parser of
-``towerd.client.cli.app``. This is the one place that shortcut is taken.
+declarations cost about 3 ms a hook); the other commands hooks and wrappers run per
+event (``idem claim|complete``, ``claim``, ``release``, ``run``, ``ping``) go to
+``towerd.client.cli.lean``, which runs their plain command lines without argparse;
+everything else goes to the parser of ``towerd.client.cli.app``. Hooks run this through
+``client/_hook_launch.py`` (``python -I -S``: no site), which ``hooks install`` wires.
 
-:func:`scan` is towerctl's one reader of the command line short of argparse: this module
+:func:`scan` reads the command words and global options short of argparse (lean.py
+reads the whole line of the commands it takes, from their declarations): this module
 uses it to spot the hook commands, the CLI to build only the parser of the command named
 and to know, when argparse refuses the line, whether the error is to be JSON.
 """
@@ -80,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
         from towerd.client.hook_report import report
 
         sys.exit(report(socket_path=socket_path))
+    # The other commands hooks and wrappers run per event (idem claim, run --key, ...):
+    # parsed without argparse when plain enough, else by argparse below.
+    from towerd.client.cli.lean import main as lean_main
+
+    lean_main(argv)
     from towerd.client.cli.app import parse_and_run
 
     parse_and_run(argv)

@@ -28,22 +28,17 @@ in the module constants and documented in ``towerctl --help``.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import selectors
-import shlex
+import selectors  # CMD's pipes and its pidfd, in _pump
 import signal
-import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from towerd.client.cli.output import UsageError, dumps_json, say
 from towerd.client.cli.output import is_utf8 as _is_utf8
 from towerd.client.cli.output import json_arg as _json_arg
 from towerd.client.cli.registry import call_timeout
 from towerd.client.idempotent import EffectNotStarted, SyncDriver
+from towerd.client.record import Record
 from towerd.client.retry import FAIL_FAST, PATIENT, RetryPolicy
 from towerd.client.sync import Client
 from towerd.protocol.errors import (
@@ -58,8 +53,23 @@ from towerd.protocol.errors import (
     TowerdError,
 )
 
+# What `towerctl run` imports is what every run of a hook's step pays: no subprocess
+# (CMD is started with posix_spawnp), dataclasses, typing, shlex or hashlib's OpenSSL
+# binding (~12 ms together); SHA-256 from the interpreter's own module when it has one.
+try:
+    from _sha256 import sha256 as _sha256  # CPython 3.11
+except ImportError:  # pragma: no cover - other versions and interpreters
+    try:
+        from _sha2 import sha256 as _sha256  # CPython 3.12+
+    except ImportError:
+        from hashlib import sha256 as _sha256
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
     import argparse
+    import subprocess
+    from collections.abc import Callable
+    from typing import Any
 
 EXIT_UNKNOWN = 120  # the outcome is unknown or uncertain: a person must decide, CMD not run
 EXIT_BUSY = 121  # in progress, in flight or held elsewhere: retry later, CMD not run
@@ -72,18 +82,23 @@ EXIT_NOT_FOUND = 127  # CMD was not found: nothing ran, the key is released
 
 def output_digest(stdout: bytes, stderr: bytes) -> str:
     """The ``output_sha256`` recorded for a command that wrote ``stdout`` and ``stderr``."""
-    return _combine(hashlib.sha256(stdout), hashlib.sha256(stderr))
+    return _combine(_sha256(stdout), _sha256(stderr))
 
 
 def _combine(stdout: Any, stderr: Any) -> str:
-    return hashlib.sha256(stdout.digest() + stderr.digest()).hexdigest()
+    return str(_sha256(stdout.digest() + stderr.digest()).hexdigest())
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(Record):
+    __slots__ = ("exit_status", "output_sha256", "signal")
     exit_status: int  # 0..255; 128+N for a command killed by signal N
     output_sha256: str
-    signal: int | None = None
+    signal: int | None
+
+    def __init__(self, exit_status: int, output_sha256: str, signal: int | None = None) -> None:
+        object.__setattr__(self, "exit_status", exit_status)
+        object.__setattr__(self, "output_sha256", output_sha256)
+        object.__setattr__(self, "signal", signal)
 
     def result(self) -> dict[str, Any]:
         result: dict[str, Any] = {
@@ -116,11 +131,92 @@ def _die_with_parent(signum: int) -> Callable[[], None] | None:
     return preexec
 
 
+class Spawned:
+    """CMD started with ``os.posix_spawnp`` (no subprocess module, no fork of towerctl):
+    what :class:`Child` needs of a ``subprocess.Popen``, with its semantics. ``argv[0]``
+    is looked up on PATH; it cannot be started: ``OSError`` (``FileNotFoundError``,
+    ``PermissionError``, ...), nothing ran. As Popen does, the child gets SIGPIPE and
+    SIGXFSZ at their defaults (Python ignores them) and none of towerctl's inheritable
+    descriptors beyond 0, 1 and 2 (``close_fds``); ``capture``: its stdout and stderr
+    are pipes, read through ``stdout_fd`` and ``stderr_fd``. One difference: glibc's
+    posix_spawn leaves its two internal signals (32 and 33) ignored in the child, which
+    glibc programs reinstall at start (tests/client/test_spawn.py)."""
+
+    def __init__(self, argv: list[str], *, capture: bool) -> None:
+        self.returncode: int | None = None
+        self.stdout_fd = self.stderr_fd = -1
+        actions: list[tuple[int, ...]] = []
+        ours: list[int] = []
+        try:
+            if capture:
+                self.stdout_fd, out_w = os.pipe()  # non-inheritable: closed at exec
+                self.stderr_fd, err_w = os.pipe()
+                ours = [out_w, err_w]
+                actions += [(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+            actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable_fds()]
+            self.pid = os.posix_spawnp(
+                argv[0],
+                argv,
+                os.environ,
+                file_actions=actions,
+                setsigdef=_DEFAULT_IN_CHILD,
+            )
+        except BaseException:
+            for fd in (self.stdout_fd, self.stderr_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            for fd in ours:
+                os.close(fd)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _pid, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:  # never a reaped pid (it may be another process now)
+            os.kill(self.pid, signum)
+
+
+_DEFAULT_IN_CHILD = tuple(
+    getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name)
+)  # what subprocess's restore_signals resets
+
+
+def _inheritable_fds() -> list[int]:
+    """towerctl's descriptors above 2 that CMD would inherit (Popen's close_fds)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    fds = []
+    for name in names:
+        fd = int(name)
+        if fd > 2:
+            try:
+                if os.get_inheritable(fd):
+                    fds.append(fd)
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
+    return fds
+
+
 class Child:
     """CMD as towerctl's child. Raises ``OSError`` when it cannot be started (nothing ran).
 
     ``capture``: read its stdout and stderr through pipes, hash them and copy them to
-    ``stdout_fd`` and fd 2. ``die_with_parent``: the signal CMD gets if towerctl dies.
+    ``stdout_fd`` and fd 2. ``die_with_parent``: the signal CMD gets if towerctl dies
+    (that needs subprocess's preexec_fn; without it CMD is started by :class:`Spawned`).
     Create it from the main thread, before starting any other (``preexec_fn``).
     """
 
@@ -137,16 +233,30 @@ class Child:
     ) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        pipe = subprocess.PIPE if capture else None
         self._capture = capture
         self._stdout_fd = stdout_fd
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=pipe,
-            stderr=pipe,
-            bufsize=0,
-            preexec_fn=_die_with_parent(die_with_parent) if die_with_parent else None,
-        )
+        self.proc: Spawned | subprocess.Popen[bytes]
+        self._pipes: tuple[int, int] | None = None
+        if die_with_parent is None:
+            spawned = Spawned(argv, capture=capture)
+            self.proc = spawned
+            if capture:
+                self._pipes = (spawned.stdout_fd, spawned.stderr_fd)
+        else:
+            import subprocess
+
+            pipe = subprocess.PIPE if capture else None
+            popen = subprocess.Popen(
+                argv,
+                stdout=pipe,
+                stderr=pipe,
+                bufsize=0,
+                preexec_fn=_die_with_parent(die_with_parent),
+            )
+            self.proc = popen
+            if capture:
+                assert popen.stdout is not None and popen.stderr is not None
+                self._pipes = (popen.stdout.fileno(), popen.stderr.fileno())
         self._saved: dict[int, Any] = {}
         try:
             for signum in self._FORWARDED:
@@ -170,19 +280,14 @@ class Child:
 
     def wait(self) -> Outcome:
         """Copy and hash CMD's output until it exits; its outcome."""
-        out, err = hashlib.sha256(), hashlib.sha256()
+        out, err = _sha256(), _sha256()
         try:
-            if self._capture:
-                assert self.proc.stdout is not None and self.proc.stderr is not None
-                _pump(
-                    self.proc,
-                    {
-                        self.proc.stdout.fileno(): (out, self._stdout_fd),
-                        self.proc.stderr.fileno(): (err, 2),
-                    },
-                )
-                self.proc.stdout.close()
-                self.proc.stderr.close()
+            if self._pipes is not None:
+                stdout, stderr = self._pipes
+                try:
+                    _pump(self.proc, {stdout: (out, self._stdout_fd), stderr: (err, 2)})
+                finally:
+                    self._close_pipes()
             code = self.proc.wait()
         finally:
             for signum, handler in self._saved.items():
@@ -191,12 +296,21 @@ class Child:
             return Outcome(128 - code, _combine(out, err), -code)
         return Outcome(code, _combine(out, err))
 
+    def _close_pipes(self) -> None:
+        if isinstance(self.proc, Spawned):
+            for fd in (self.proc.stdout_fd, self.proc.stderr_fd):
+                os.close(fd)
+        else:
+            assert self.proc.stdout is not None and self.proc.stderr is not None
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+
 
 def _ignore(_signum: int, _frame: Any) -> None:
     pass
 
 
-def _pump(proc: subprocess.Popen[bytes], streams: dict[int, tuple[Any, int]]) -> None:
+def _pump(proc: Spawned | subprocess.Popen[bytes], streams: dict[int, tuple[Any, int]]) -> None:
     """Read each pipe until EOF, hashing it and copying it to its sink fd. Once CMD has
     exited, what it wrote is in the pipes: that is drained, and a process CMD left
     behind holding a pipe open does not keep towerctl waiting."""
@@ -368,6 +482,8 @@ def command_argv(args: argparse.Namespace, command: str) -> list[str]:
 
 
 def _q(text: str) -> str:
+    import shlex
+
     return shlex.quote(text)
 
 
@@ -387,8 +503,6 @@ def _claim_run(
     conn: RetryingConnection, args: argparse.Namespace, operation: str, key: str, argv: list[str]
 ) -> dict[str, Any] | int:
     """The claim of ``towerctl run``: its answer, or the exit status to leave with."""
-    import secrets
-
     try:
         return conn.call(
             "idem_claim",
@@ -396,7 +510,8 @@ def _claim_run(
             key,
             payload=command_payload(argv),
             holder_pid=os.getpid(),
-            attempt=secrets.token_hex(16),  # a repeated claim after a lost answer is ours
+            # a repeated claim after a lost answer is ours (secrets.token_hex, unimported)
+            attempt=os.urandom(16).hex(),
             probe=getattr(args, "probe", None),
             probe_cwd=os.getcwd() if getattr(args, "probe", None) else None,
         )
@@ -505,6 +620,8 @@ class NotProbeable(Exception):
 
 def _git(cwd: str, *argv: str) -> str | None:
     """``git -C cwd ARGV`` 's first line of output, None if it failed."""
+    import subprocess
+
     try:
         done = subprocess.run(
             ["git", "-C", cwd, *argv], capture_output=True, text=True, timeout=30,

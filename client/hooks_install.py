@@ -150,10 +150,32 @@ def towerctl_path() -> str:
     )
 
 
-def hook_command(agent: str, guard: str, towerctl: str) -> str:
-    """The command towerd wires for ``agent``: ``--guard`` only when not the default, so
-    that a default install reads plainly."""
-    command = f"{shlex.quote(towerctl)} hook --agent {agent}"
+LAUNCHER = "_hook_launch.py"  # towerd/client/_hook_launch.py: towerctl without site
+LAUNCHER_FLAGS = ("-I", "-S")
+
+
+def hook_runner() -> list[str]:
+    """What hooks run instead of the ``towerctl`` script: this installation's Python,
+    ``-I -S``, and the launcher beside this module (``towerd/client/_hook_launch.py``).
+    The same commands as towerctl, without ``site`` (an editable install's import
+    finder, pip's script wrapper: ~10 ms a hook; bench/oneshot.py)."""
+    if not sys.executable:
+        raise HooksError(
+            "python_not_found",
+            "this Python does not know its own executable (sys.executable is empty): "
+            "run towerctl hooks install from an installed towerd",
+            exit_status=EX_UNAVAILABLE,
+        )
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), LAUNCHER)
+    return [sys.executable, *LAUNCHER_FLAGS, launcher]
+
+
+def hook_command(agent: str, guard: str, runner: list[str] | str) -> str:
+    """The command towerd wires for ``agent``: ``runner`` (:func:`hook_runner`, or a
+    towerctl's path) then ``hook --agent AGENT``; ``--guard`` only when not the default,
+    so that a default install reads plainly."""
+    program = shlex.quote(runner) if isinstance(runner, str) else shlex.join(runner)
+    command = f"{program} hook --agent {agent}"
     return command if guard == DEFAULT_GUARD else f"{command} --guard {guard}"
 
 
@@ -180,14 +202,36 @@ def handler_argv(handler: Any) -> list[str] | None:
 _ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
+def towerctl_runner(argv: list[str]) -> int:
+    """How many leading words of ``argv`` run towerctl: 1 for a ``towerctl`` script
+    (``/venv/bin/towerctl hook``), 1 + flags + 1 for the launcher (``/venv/bin/python
+    -I -S /.../towerd/client/_hook_launch.py hook``); 0 if it runs no towerctl."""
+    if not argv:
+        return 0
+    program = os.path.basename(argv[0])
+    if program == "towerctl":
+        return 1
+    if program.startswith("python"):
+        index = 1
+        while index < len(argv) and argv[index].startswith("-"):
+            index += 1
+        if index < len(argv) and os.path.basename(argv[index]) == LAUNCHER:
+            return index + 1
+    return 0
+
+
 def towerctl_subcommand(handler: Any) -> str | None:
     """The towerctl command a handler runs (``hook``, ``hook-report``), None if it runs
-    no towerctl. Any towerctl counts, whatever its directory: an install from another
-    venv is still towerd's."""
+    no towerctl. Any towerctl counts, whatever its directory (an install from another
+    venv is still towerd's), as a ``towerctl`` script or as the launcher that
+    ``install`` wires (:func:`hook_runner`)."""
     argv = handler_argv(handler)
-    if argv is None or len(argv) < 2 or os.path.basename(argv[0]) != "towerctl":
+    if argv is None:
         return None
-    return argv[1]
+    runner = towerctl_runner(argv)
+    if not runner or len(argv) <= runner:
+        return None
+    return argv[runner]
 
 
 def is_towerd_handler(handler: Any) -> bool:
@@ -425,12 +469,13 @@ def save_settings(path: str, content: bytes, previous: bytes | None, scope: str)
 
 def install(agent: str, scope: str, project: str | None, guard: str) -> dict[str, Any]:
     """``towerctl hooks install``: every file read and checked before any is written."""
-    towerctl = towerctl_path()
+    runner = hook_runner()
+    towerctl = shlex.join(runner)
     plans = []
     for name in selected_agents(agent):
         path = settings_path(name, scope, project)
         previous, data = load_settings(path)
-        command = hook_command(name, guard, towerctl)
+        command = hook_command(name, guard, runner)
         new_data, replaced = installed_data(data, name, command)
         plans.append((name, path, previous, serialize(new_data), command, replaced, data))
     files = []
@@ -496,12 +541,15 @@ def check_command(command: str, agent: str, versions: dict[str, Any]) -> dict[st
     wrong with it, if anything (``problem``)."""
     from towerd.client.agent_hook import options
 
-    argv = shlex.split(command)
+    argv = handler_argv({"command": command}) or shlex.split(command)
+    runner = towerctl_runner(argv)
     program = argv[0] if "/" in argv[0] else (shutil.which(argv[0]) or argv[0])
-    hook_agent, guard, _socket = options(argv[2:])
+    hook_agent, guard, _socket = options(argv[runner + 1 :])
+    prefix = [program, *argv[1:runner]]
+    launcher = argv[runner - 1] if runner > 1 else None
     found: dict[str, Any] = {
         "command": command,
-        "towerctl": program,
+        "towerctl": shlex.join(prefix) if launcher else program,
         "agent": hook_agent,
         "guard": guard,
         "executable": os.path.isfile(program) and os.access(program, os.X_OK),
@@ -512,9 +560,14 @@ def check_command(command: str, agent: str, versions: dict[str, Any]) -> dict[st
     if not found["executable"]:
         found["problem"] = f"{program} is not an executable file"
         return found
-    if program not in versions:
-        versions[program] = towerctl_version(program)
-    version, problem = versions[program]
+    if launcher is not None and not os.path.isfile(launcher):
+        found["executable"] = False
+        found["problem"] = f"{launcher} is not a file (towerd moved or uninstalled?)"
+        return found
+    shown = found["towerctl"]
+    if shown not in versions:
+        versions[shown] = towerctl_version(prefix)
+    version, problem = versions[shown]
     found["version"] = version
     if problem:
         found["problem"] = problem
@@ -525,11 +578,14 @@ def check_command(command: str, agent: str, versions: dict[str, Any]) -> dict[st
     return found
 
 
-def towerctl_version(program: str) -> tuple[str | None, str | None]:
-    """(the version ``program --version`` prints, what went wrong running it)."""
+def towerctl_version(program: str | list[str]) -> tuple[str | None, str | None]:
+    """(the version ``program --version`` prints, what went wrong running it);
+    ``program``: a towerctl's path, or the words that run one (the launcher)."""
+    argv = [program] if isinstance(program, str) else list(program)
+    program = shlex.join(argv) if len(argv) > 1 else argv[0]
     try:
         done = subprocess.run(
-            [program, "--version"],
+            [*argv, "--version"],
             capture_output=True,
             text=True,
             timeout=VERSION_TIMEOUT,

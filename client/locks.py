@@ -43,6 +43,9 @@ def worktree_resource(repo: str | os.PathLike[str]) -> str:
     return f"worktree:{common_dir}"
 
 
+SHOWN_CMDLINE = 200  # characters of a lock holder's command line shown in a refusal
+
+
 def describe(lease: dict[str, Any]) -> str:
     """Who holds ``lease``, with the holder's command line when this host can read it."""
     text = str(lease.get("holder", "another holder"))
@@ -52,8 +55,12 @@ def describe(lease: dict[str, Any]) -> str:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 words = cmdline.read().rstrip(b"\0").split(b"\0")
             shown = " ".join(w.decode(errors="replace") for w in words)
+            if len(shown) > SHOWN_CMDLINE:  # its start (the program) and its end (what
+                # it runs), whatever the length of the paths between them
+                head = SHOWN_CMDLINE // 3
+                shown = f"{shown[:head]}...{shown[-(SHOWN_CMDLINE - head - 3) :]}"
             if shown:
-                text += f" ({shown[:200]})"
+                text += f" ({shown})"
         except OSError:
             pass
     return text

@@ -19,8 +19,7 @@ not repeated, :data:`RECONNECT_WATCH` for ``towerctl top``'s subscription.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from towerd.client.record import Record
 from towerd.protocol.errors import StorageFull, Unavailable
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
@@ -31,15 +30,22 @@ UNREACHABLE = (Unavailable,)
 UNREACHABLE_OR_FULL = (Unavailable, StorageFull)
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
+class RetryPolicy(Record):
     """Send a call at most ``attempts`` times in a row (``None``: until it is answered),
     waiting ``backoff`` seconds after the first failure, twice that after the next, and
-    so on up to ``max_backoff``."""
+    so on up to ``max_backoff``. (A frozen record, as a frozen dataclass would be.)"""
 
-    attempts: int | None = 20
-    backoff: float = 0.1
-    max_backoff: float = 2.0
+    __slots__ = ("attempts", "backoff", "max_backoff")
+    attempts: int | None
+    backoff: float
+    max_backoff: float
+
+    def __init__(
+        self, attempts: int | None = 20, backoff: float = 0.1, max_backoff: float = 2.0
+    ) -> None:
+        object.__setattr__(self, "attempts", attempts)
+        object.__setattr__(self, "backoff", backoff)
+        object.__setattr__(self, "max_backoff", max_backoff)
 
     def delay(self, failures: int) -> float:
         """The wait after ``failures`` consecutive failures."""

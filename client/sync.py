@@ -14,9 +14,9 @@ server is verified to be this user's own (:mod:`towerd.client.trust`).
 
 from __future__ import annotations
 
+import _socket  # the C module: socket.py imports enum, selectors, collections (~4 ms a hook)
 import os
 import select
-import socket
 import sys
 import time
 
@@ -127,7 +127,7 @@ class Client(TowerdAPI):
         self.client_name = client_name or default_client_name()
         self.principal = principal
         self.hello: dict[str, Any] = {}
-        self._sock: socket.socket | None = None
+        self._sock: _socket.socket | None = None
         # The socket is non-blocking once connected: a call sends at once (there is room,
         # as a rule) and waits for its answer in poll, three system calls a request (a
         # timeout on the socket itself cost six: two to set it, a poll before each send
@@ -166,12 +166,12 @@ class Client(TowerdAPI):
         self.hello = hello
         self._decoder.max_frame = response_limit(hello)
 
-    def _open_verified(self, deadline: float | None) -> socket.socket:
+    def _open_verified(self, deadline: float | None) -> _socket.socket:
         """A socket connected to this user's own daemon, nothing sent yet."""
         sock = None
         try:
             check_socket_dir(self.socket_path)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
             sock.settimeout(time_left(deadline))
             sock.connect(self.socket_path)
             check_peer(sock, self.socket_path)
@@ -261,7 +261,7 @@ class Client(TowerdAPI):
             ) from None
         return [answers.get(request_id) for request_id in ids]
 
-    def _send_all(self, sock: socket.socket, data: bytes, deadline: float | None) -> None:
+    def _send_all(self, sock: _socket.socket, data: bytes, deadline: float | None) -> None:
         """Send all of ``data`` by ``deadline``, waiting for room only when there is none."""
         view = memoryview(data)
         while view:
@@ -272,7 +272,7 @@ class Client(TowerdAPI):
                 continue
             view = view[sent:]
 
-    def _read_frame(self, sock: socket.socket, deadline: float | None) -> bytes:
+    def _read_frame(self, sock: _socket.socket, deadline: float | None) -> bytes:
         """The next whole frame, by ``deadline`` however slowly its bytes come."""
         while not self._frames:
             wait_for(self._readable, deadline)
@@ -297,7 +297,7 @@ class Client(TowerdAPI):
                 )
         return self._frames.pop(0)
 
-    def _require_socket(self) -> socket.socket:
+    def _require_socket(self) -> _socket.socket:
         if self._sock is None:
             raise Unavailable(
                 "this client is closed; call connect() to reconnect",

@@ -15,9 +15,9 @@ Both the blocking and the async client call these. Stdlib only, and cheap (one
 
 from __future__ import annotations
 
+import _socket  # the C module: socket.py imports enum, selectors, collections (~4 ms a hook)
 import errno
 import os
-import socket
 import stat
 import struct
 
@@ -64,12 +64,12 @@ def check_socket_dir(socket_path: str) -> None:
     )
 
 
-def check_peer(sock: socket.socket, socket_path: str) -> None:
+def check_peer(sock: _socket.socket, socket_path: str) -> None:
     """Raise ``Unauthorized`` unless the process that listens on the connected ``sock``
     runs as this user (the kernel's record of the listener, not anything it says);
     ``OSError`` if ``sock`` turns out not to be connected at all."""
     pid, uid, _gid = _PEERCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
     )
     me = os.geteuid()
     if uid == me:

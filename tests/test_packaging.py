@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -134,3 +136,45 @@ def test_non_editable_install_runs(short_tmp):
         timeout=60,
     )
     assert usage.returncode == 0 and "idem" in usage.stdout
+
+
+def test_the_hook_launcher_of_a_wheel_install_runs_the_installed_copy(short_tmp):
+    """`<venv python> -I -S <site-packages>/towerd/client/_hook_launch.py` (what hooks
+    run): no site, towerd found from the launcher's own place in the installed package;
+    `hooks install` through it wires that same launcher, and the wired hook runs (fails
+    open: no daemon)."""
+    wheel = build_wheel(short_tmp / "dist")
+    venv = short_tmp / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+         "--no-deps", "-q", str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    launcher = venv / "lib" / version / "site-packages" / "towerd" / "client" / "_hook_launch.py"
+    runner = [str(venv / "bin" / "python"), "-I", "-S", str(launcher)]
+    home = short_tmp / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}  # -I: unused
+    done = subprocess.run(
+        [*runner, "--version"], env=env, cwd="/", capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (0, "towerctl 0.1.0\n"), done.stderr
+    done = subprocess.run(
+        [*runner, "--json", "hooks", "install", "--agent", "claude"],
+        env=env, cwd="/", capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    settings = json.loads((home / ".claude" / "settings.json").read_text())
+    command = settings["hooks"]["SessionStart"][0]["hooks"][0]["command"]
+    assert shlex.split(command) == [*runner, "hook", "--agent", "claude"]
+    hook = subprocess.run(
+        ["sh", "-c", command],
+        input='{"hook_event_name": "SessionStart", "session_id": "s1", "cwd": "/tmp"}',
+        env={**env, "TOWERD_SOCKET": str(short_tmp / "no.sock")},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (hook.returncode, hook.stdout, hook.stderr) == (0, "", "")

@@ -29,8 +29,6 @@ from towerd.client.cli.output import (
 from towerd.client.cli.registry import (
     BadCommandLine,
     Commands,
-    Formatter,
-    Parser,
     add_global_options,
     call_timeout,
 )
@@ -94,6 +92,8 @@ def command_path(argv: Sequence[str]) -> tuple[str, ...] | None:
 
 def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
     """The CLI's parser; with ``only``, just the parsers on that command's path."""
+    from towerd.client.cli.parsers import Formatter, Parser
+
     parser = Parser(
         formatter_class=Formatter,
         prog="towerctl",

@@ -8,13 +8,12 @@ and dataclasses would cost ``effects list`` and ``leases``).
 
 from __future__ import annotations
 
-import argparse
-
 from towerd.client.cli.output import EXIT_EPILOG, UsageError, json_arg, table
 from towerd.client.cli.registry import REPO, Commands, arg
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
+    import argparse
     from typing import Any
 
     from towerd.client.cli.registry import Arg
@@ -32,7 +31,7 @@ def command_after_dashes(what: str) -> Arg:
     """The command after ``--``: everything after it is CMD's, options included."""
     return arg(
         "argv",
-        nargs=argparse.REMAINDER,
+        nargs="...",  # argparse.REMAINDER, without importing argparse
         metavar="-- CMD ...",
         help=f"the command {what}, after -- (required)",
         local_path=True,  # passed to CMD byte for byte, never sent as text

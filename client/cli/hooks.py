@@ -2,7 +2,7 @@
 
 The file work is towerd.client.hooks_install's, imported when a command runs. A refusal
 keeps its own exit status: 65 for a settings file that is not valid JSON, 69 when there
-is no towerctl to wire in.
+is no Python executable to wire in (the hooks run it with towerd's launcher).
 ``status`` asks the daemon when each event last arrived, and reports the files all the
 same when no daemon answers.
 """

@@ -1,5 +1,8 @@
 """How a command group declares its commands, and how their argparse parsers are built.
 
+argparse itself is imported only when a parser is built (towerd.client.cli.parsers): a
+command that towerd.client.cli.lean parses runs its declared function without it.
+
 Each group module holds one :class:`Commands` and declares every command in one place:
 its words, help and options in the ``@COMMANDS.command(...)`` decorator, its function
 under it, its renderer just above. Nothing is built at import: :mod:`towerd.client.cli.app`
@@ -9,17 +12,15 @@ costs ~4 ms of a hook's budget).
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-
 from towerd.client.cli.output import render
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
+    import argparse
     from collections.abc import Callable, Iterable, Sequence
-    from typing import Any, NoReturn, TypeVar
+    from typing import Any, TypeVar
 
+    from towerd.client.cli.parsers import Parser
     from towerd.client.sync import Client
 
     Run = Callable[[Client, argparse.Namespace], Any]
@@ -37,38 +38,12 @@ class BadCommandLine(Exception):
         self.message = message
 
 
-class Parser(argparse.ArgumentParser):
-    """argparse's parser, raising :class:`BadCommandLine` instead of printing and exiting,
-    so that main() can report the error as JSON under ``--json``.
-
-    ``local_paths``: the destinations of its arguments that name files on this machine
-    (any bytes the OS takes are fine there; everything else sent to the daemon must be
-    UTF-8 text).
-    """
-
-    local_paths: frozenset[str] = frozenset({"socket"})
-
-    def error(self, message: str) -> NoReturn:
-        raise BadCommandLine(self, message)
-
-
-class Formatter(argparse.HelpFormatter):
-    """argparse's formatter, minus its `import shutil` (bz2, lzma, ...: ~2 ms per hook):
-    argparse builds a formatter for every add_argument, and the default one imports
-    shutil to measure the terminal."""
-
-    def __init__(self, prog: str) -> None:
-        try:
-            columns = os.get_terminal_size(sys.stderr.fileno()).columns
-        except (OSError, ValueError):
-            columns = int(os.environ.get("COLUMNS", "80") or 80)
-        super().__init__(prog, width=max(columns - 2, 40))
-
-
 def add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     """--socket, --json, --principal, --timeout: on towerctl's parser with their defaults;
     on each command's parser too (defaults=False: given there, they override), so that
     they are taken after the command as well as before it."""
+    import argparse
+
     group: Any = parser
     if not defaults:
         group = parser.add_argument_group("global options (before or after the command)")
@@ -177,6 +152,8 @@ class Command:
 
 def add_subparser(subparsers: Any, name: str, help: str, **extra: Any) -> Parser:
     """A command's or a group word's parser, global options included."""
+    from towerd.client.cli.parsers import Formatter
+
     # "resolve": an option of the command's own (lock worktree's --timeout) replaces
     # the global option of that name after the command.
     p = subparsers.add_parser(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import stat
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import towerd.client
 from towerd.client.agents import AGENT_EVENTS, HOOK_TIMEOUT_SECONDS
 from towerd.client.cli.hooks import SCOPES as CLI_SCOPES
 from towerd.client.hooks_install import BACKUP_SUFFIX, HAND_WIRED_NOTE, SCOPES
@@ -34,6 +34,10 @@ ORIGINAL = {
     "env": {"FOO": "bär"},
 }
 PATH = "/usr/bin:/bin"  # no venv on it: the installed command must name towerctl in full
+# What install wires: the venv's Python under -I -S running towerd's launcher (no site, so
+# no editable-install finder or script wrapper is paid by a hook), not the towerctl script.
+PYTHON = os.path.join(os.path.dirname(TOWERCTL), "python")
+LAUNCHER = str(Path(towerd.client.__file__).parent / "_hook_launch.py")
 SESSION_START = {"hook_event_name": "SessionStart", "session_id": "s1", "cwd": "/tmp"}
 
 
@@ -60,26 +64,35 @@ def ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[
     return result
 
 
+def runs_hook(command: str) -> bool:
+    """Whether ``command`` runs ``hook`` through towerd's launcher or a towerctl script."""
+    argv = shlex.split(command)
+    if os.path.basename(argv[0]) == "towerctl":
+        return argv[1:2] == ["hook"]
+    return len(argv) > 4 and os.path.basename(argv[3]) == "_hook_launch.py" and argv[4] == "hook"
+
+
 def towerd_handlers(data: dict, event: str) -> list[dict]:
-    """The handlers of ``event`` that run ``towerctl hook``."""
+    """The handlers of ``event`` that run ``towerctl hook`` (the launcher or the script)."""
     return [
         handler
         for group in data["hooks"].get(event, [])
         for handler in group["hooks"]
-        if shlex.split(handler["command"])[1:2] == ["hook"]
-        and os.path.basename(shlex.split(handler["command"])[0]) == "towerctl"
+        if runs_hook(handler["command"])
     ]
 
 
 def assert_wired(data: dict, agent: str, *extra_args: str) -> None:
     """Every event of ``agent`` runs exactly one towerd handler: this installation's
-    towerctl by absolute path, with a timeout."""
+    Python by absolute path, -I -S, towerd's launcher by absolute path, with a timeout."""
     for event in AGENT_EVENTS[agent]:
         (handler,) = towerd_handlers(data, event)
         argv = shlex.split(handler["command"])
         assert os.path.isabs(argv[0]) and os.access(argv[0], os.X_OK), handler
-        assert os.path.samefile(argv[0], TOWERCTL)
-        assert argv[1:] == ["hook", "--agent", agent, *extra_args]
+        assert argv[0] == PYTHON  # the venv's, not the interpreter it links to
+        assert argv[1:3] == ["-I", "-S"]
+        assert os.path.isabs(argv[3]) and os.path.samefile(argv[3], LAUNCHER)
+        assert argv[4:] == ["hook", "--agent", agent, *extra_args]
         assert handler["type"] == "command" and handler["timeout"] == HOOK_TIMEOUT_SECONDS
 
 
@@ -352,9 +365,10 @@ def test_the_installed_command_runs_through_sh_and_fails_open_without_a_daemon(t
         assert (result.returncode, result.stdout) == (0, ""), (agent, result.stderr)
 
 
-def test_no_towerctl_to_wire_in_is_refused(tmp_path, home):
+def test_a_python_without_a_towerctl_script_wires_the_launcher_that_works(tmp_path, home):
     """A Python with no towerctl beside it and none on PATH (a venv of its own that sees
-    this one's packages): exit 69, nothing written."""
+    this one's packages): hooks need no script, they run that Python and the launcher;
+    the installed command runs the hook through sh (fails open without a daemon)."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
@@ -368,18 +382,64 @@ def test_no_towerctl_to_wire_in_is_refused(tmp_path, home):
     (site / "ours.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
     result = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "from towerd.client.entry import main; main()",
-         "hooks", "install"],
+         "hooks", "install", "--agent", "claude"],
         env={"HOME": str(home), "PATH": PATH},
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )  # fmt: skip
-    if shutil.which("towerctl", path=PATH):
-        pytest.skip("a towerctl is installed on the system PATH")
-    assert result.returncode == 69, result.stdout + result.stderr
-    assert "towerctl_not_found" in result.stderr
-    assert not (home / ".claude").exists() and not (home / ".codex").exists()
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((home / ".claude" / "settings.json").read_text())
+    (handler,) = towerd_handlers(data, "SessionStart")
+    argv = shlex.split(handler["command"])
+    assert argv[:3] == [str(venv / "bin" / "python"), "-I", "-S"]
+    assert os.path.samefile(argv[3], LAUNCHER)
+    hook = subprocess.run(
+        ["sh", "-c", handler["command"]],
+        input=json.dumps(SESSION_START),
+        env={"HOME": str(home), "PATH": PATH, "TOWERD_SOCKET": str(tmp_path / "no.sock")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert (hook.returncode, hook.stdout, hook.stderr) == (0, "", "")
+
+
+def test_an_install_of_the_towerctl_script_form_is_still_towerds(home):
+    """Settings written by an earlier towerd (``/venv/bin/towerctl hook --agent claude``):
+    status counts them as installed, a reinstall replaces them with the launcher (one
+    handler per event), uninstall takes either out."""
+    old = {"hooks": {event: [{"hooks": [{"type": "command", "timeout": HOOK_TIMEOUT_SECONDS,
+                                          "command": f"{TOWERCTL} hook --agent claude"}]}]
+                     for event in AGENT_EVENTS["claude"]}}  # fmt: skip
+    settings = write_claude_settings(home, old)
+    status = ok(towerctl(home, "--json", "hooks", "status", "--socket", str(home / "no.sock")))
+    claude = json.loads(status.stdout)["agents"]["claude"]
+    assert claude["installed"] and claude["files"][0]["missing"] == []
+    (command,) = claude["files"][0]["commands"]
+    assert command["towerctl"] == TOWERCTL and command["problem"] is None
+    assert command["version"] is not None and not command["stale"]
+    ok(towerctl(home, "hooks", "install", "--agent", "claude"))
+    assert_wired(json.loads(settings.read_text()), "claude")
+    status = ok(towerctl(home, "--json", "hooks", "status", "--socket", str(home / "no.sock")))
+    (command,) = json.loads(status.stdout)["agents"]["claude"]["files"][0]["commands"]
+    assert command["towerctl"] == shlex.join([PYTHON, "-I", "-S", LAUNCHER])
+    assert command["problem"] is None and command["version"] is not None
+    write_claude_settings(home, old)
+    ok(towerctl(home, "hooks", "uninstall", "--agent", "claude"))
+    assert "SessionStart" not in json.loads(settings.read_text()).get("hooks", {})
+
+
+def test_a_launcher_that_is_gone_is_a_problem_in_status(home, tmp_path):
+    gone = tmp_path / "moved" / "towerd" / "client" / "_hook_launch.py"
+    command = f"{shlex.quote(PYTHON)} -I -S {shlex.quote(str(gone))} hook --agent claude"
+    write_claude_settings(home, {"hooks": {"SessionStart": [{"hooks": [
+        {"type": "command", "command": command}]}]}})  # fmt: skip
+    status = ok(towerctl(home, "--json", "hooks", "status", "--socket", str(home / "no.sock")))
+    (found,) = json.loads(status.stdout)["agents"]["claude"]["files"][0]["commands"]
+    assert found["problem"] == f"{gone} is not a file (towerd moved or uninstalled?)"
 
 
 def test_the_cli_offers_the_scopes_the_module_knows():

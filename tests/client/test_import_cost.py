@@ -122,3 +122,25 @@ def test_the_hook_command_imports_no_more_than_hook_report(daemon, tmp_path):
     assert not [m for m in extras if m.startswith("towerd.client.cli")]
     assert {m for m in extras if not m.startswith("towerd")} <= HOOK_EXTRAS
     assert not [m for m in extras if m.split(".")[0] in FORBIDDEN]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ping"],
+        ["idem", "claim", "op", "import-cost"],
+        ["idem", "complete", "op", "import-cost-2", "--result", "{}"],
+        ["run", "--key", "import-cost-run", "--", "true"],
+    ],
+)
+def test_the_hook_path_commands_load_no_parser_nor_socket_py(daemon, command):
+    """What hooks and wrappers run per event goes through towerd.client.cli.lean: no
+    argparse (with gettext, locale and re), and the client speaks through _socket, not
+    socket.py (enum, selectors); `run` starts CMD without subprocess."""
+    if command[:2] == ["idem", "complete"]:
+        with daemon.client() as client:
+            client.idem_claim("op", "import-cost-2")
+    modules = imported_modules([TOWERCTL, "--socket", str(daemon.socket_path), *command])
+    assert "towerd.client.cli.lean" in modules and "towerd.client.sync" in modules
+    loaded = {"argparse", "gettext", "locale", "socket", "subprocess", "typing"} & modules
+    assert not loaded, loaded

@@ -223,7 +223,7 @@ def test_a_directory_claim_from_the_agents_shell_covers_what_is_below(agents, wo
     a, b = agents(), agents()
     a.hook("SessionStart", source="startup")
     b.hook("SessionStart", source="startup")
-    towerctl_path = agents.commands["PreToolUse"].split()[0]
+    towerctl_path = agents.commands["PreToolUse"].split(" hook --agent")[0]
     # The agent's shell tool runs towerctl: its nearest non-shell ancestor is agent A.
     claimed = a.run(f"{towerctl_path} --json claim src --ttl 10m")
     assert claimed["rc"] == 0, claimed
@@ -347,7 +347,7 @@ def test_the_newest_session_start_of_a_process_names_its_session(agents, worktre
     second = session_of(daemon, a)
     assert second["session_id"] != first["session_id"]
     assert a.edit("a.py") is None  # one agent: its own lease passes to the new session
-    towerctl_path = a.commands["PreToolUse"].split()[0]
+    towerctl_path = a.commands["PreToolUse"].split(" hook --agent")[0]
     claimed = json.loads(a.run(f"{towerctl_path} --json claim b.py")["stdout"])
     assert claimed["session_id"] == second["session_id"]
 
@@ -409,7 +409,7 @@ def test_an_agent_cannot_free_what_another_holds(agents, worktree: Path, daemon:
     b.hook("SessionStart", source="startup")
     assert a.edit("a.py") is None
     holder = session_of(daemon, a)["session_id"]
-    towerctl_path = a.commands["PreToolUse"].split()[0]
+    towerctl_path = a.commands["PreToolUse"].split(" hook --agent")[0]
     named = b.run(f"{towerctl_path} --json release --session {holder} a.py")
     assert named["rc"] == 1 and json.loads(named["stdout"])["error"]["code"] == "conflict"
     wrapper = f"{sys.executable} -c 'import subprocess, sys; subprocess.run(sys.argv[1:])'"

@@ -43,7 +43,7 @@ def doctor_hooks(daemon, home: Path) -> tuple[int, dict]:
 
 def installed_command(home: Path, event: str) -> str:
     data = json.loads((home / ".claude" / "settings.json").read_text())
-    (group,) = [g for g in data["hooks"][event] if "towerctl" in g["hooks"][0]["command"]]
+    (group,) = [g for g in data["hooks"][event] if " hook --agent " in g["hooks"][0]["command"]]
     return group["hooks"][0]["command"]
 
 
