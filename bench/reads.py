@@ -531,8 +531,9 @@ def main() -> None:
             slack = one[method, ceiling.name].p50 * (P50_TARGET - 1) / 1000
             over = (one[method, "towerd"].p50 - one[method, ceiling.name].p50) / 1000
             print(
-                f"  towerd's p50 is {over:.1f} us over the echo's; {P50_TARGET}x leaves {slack:.1f} us, and decoding the request "
-                f"and encoding its answer alone take {codec[method]:.1f} us (measured here)"
+                f"  towerd's p50 is {over:.1f} us over the echo's; {P50_TARGET}x leaves "
+                f"{slack:.1f} us, and decoding the request and encoding its answer alone "
+                f"take {codec[method]:.1f} us (measured here)"
             )
         if placement:
             ratios = {
