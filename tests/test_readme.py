@@ -219,7 +219,7 @@ def test_the_agent_section_starts_with_hooks_install_and_its_commands_work(tmp_p
         # the venv's Python running towerd's launcher without site (README: "through this
         # installation's launcher")
         program, *flags, launcher, hook = shlex.split(command)[:5]
-        assert os.path.isabs(program) and os.path.basename(program) == "python", command
+        assert os.path.isabs(program) and os.path.basename(program).startswith("python"), command
         assert flags == ["-I", "-S"], command
         assert os.path.isabs(launcher) and launcher.endswith("/client/_hook_launch.py"), command
         assert hook == "hook", command

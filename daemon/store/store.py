@@ -27,6 +27,7 @@ import functools
 import os
 import socket
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -158,7 +159,7 @@ class Store:
         # the hold's end and timer while one is on.
         self._answered_writers: set[int] = set()
         self._hold_until: float | None = None
-        self._answered_at = 0.0  # loop time when the last batch was answered
+        self._answered_at = 0.0  # time.perf_counter() when the last batch was answered
         self._hold_timer: asyncio.TimerHandle | None = None
         self._locked: list[_Job] | None = None  # SQLite: a batch waits for the write lock
         self._drained = anyio.Event()  # closing, and nothing is left to write
@@ -370,16 +371,27 @@ class Store:
             or waiting_for.issubset(job.writer for job in self._queue)
         ):
             return self._end_hold()
-        loop = asyncio.get_running_loop()
+        now = time.perf_counter()  # loops' clocks and timers tick in milliseconds
         if self._hold_until is None:
-            if loop.time() - self._answered_at > hold_s:
+            if now - self._answered_at > hold_s:
                 return False  # not writers in turn: the answered ones took their time
-            self._hold_until = loop.time() + hold_s
-            self._hold_timer = loop.call_at(self._hold_until, self._drain)
+            self._hold_until = now + hold_s
+            self._arm_hold_timer()
             return True
-        if loop.time() < self._hold_until:
-            return True
-        return self._end_hold()
+        return now < self._hold_until or self._end_hold()
+
+    def _arm_hold_timer(self) -> None:
+        """The hold's fallback, should a writer not come back: loops run timers by the
+        millisecond (uvloop runs one due in 300 us at once, asyncio after ~1 ms), so the
+        timer looks again every millisecond until the hold is over."""
+        self._hold_timer = asyncio.get_running_loop().call_later(0.001, self._hold_over)
+
+    def _hold_over(self) -> None:
+        self._hold_timer = None
+        if self._hold_until is not None and time.perf_counter() < self._hold_until:
+            self._arm_hold_timer()
+            return
+        self._drain()
 
     def _end_hold(self) -> bool:
         if self._hold_timer is not None:
@@ -452,7 +464,7 @@ class Store:
     def _publish(self, batch: list[_Job]) -> None:
         """On the loop after a batch: change notes first, then every caller's answer."""
         self._answered_writers = {job.writer for job in batch if job.writer is not None}
-        self._answered_at = asyncio.get_running_loop().time()
+        self._answered_at = time.perf_counter()
         changes, self._changes = self._changes, []
         if changes and self.on_changes is not None:
             self.on_changes(changes)  # watchers hear no later than the writers

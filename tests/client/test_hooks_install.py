@@ -36,7 +36,10 @@ ORIGINAL = {
 PATH = "/usr/bin:/bin"  # no venv on it: the installed command must name towerctl in full
 # What install wires: the venv's Python under -I -S running towerd's launcher (no site, so
 # no editable-install finder or script wrapper is paid by a hook), not the towerctl script.
-PYTHON = os.path.join(os.path.dirname(TOWERCTL), "python")
+# The venv's interpreter as towerctl's script names it (pip writes bin/python or
+# bin/python3 there, after the interpreter pip itself ran on), not the one it links to.
+with open(TOWERCTL) as _script:
+    PYTHON = _script.readline().removeprefix("#!").strip()
 LAUNCHER = str(Path(towerd.client.__file__).parent / "_hook_launch.py")
 SESSION_START = {"hook_event_name": "SessionStart", "session_id": "s1", "cwd": "/tmp"}
 
