@@ -355,11 +355,11 @@ class Store:
         Why: a batch runs on the loop, so the clients it answers send their next writes
         while the next batch runs; several clients writing in turn split into two groups
         whose batches alternate, each fsync shared by half of them. Measured at 8 client
-        processes (bench/writes.py --stages): 4.6-4.9 writes a batch without the hold,
-        6.9-7.0 with it, and ~25% more ops/s. One client never waits (its next write is
-        the one it was answered for), nor does a backlog (a full batch); many writers
-        (64) gained nothing and are left alone. The hold ends as soon as the last of
-        them writes; its timer is the fallback (uvloop's timers tick in milliseconds)."""
+        processes (bench/writes.py, bench/README.md round two): 4.6-4.9 writes a batch
+        without the hold, 6.9-7.0 with it, and 8-40% more ops/s in a noisy hour. One
+        client never waits (its next write is the one it was answered for), nor does a
+        backlog (a full batch); many writers (64) gained nothing and are left alone.
+        The hold ends as soon as the last of them writes; its timer is the fallback."""
         waiting_for = self._answered_writers
         hold_s = self.config.commit_hold_us / 1e6
         if (
