@@ -57,7 +57,9 @@ def examine(
         findings += _health_findings(status)
         store = status.get("store")
         shared = store is not None and store.get("backend") == "postgresql"
-        if not shared:
+        if (told := status.get("state_dir")) is not None:
+            state_dir = state_dir or Path(told)
+        elif not shared:  # a daemon from before status named its state dir
             state_dir = state_dir or Path(status["db_path"]).parent
     except TowerdError as exc:
         findings.append(

@@ -628,6 +628,7 @@ class StatusResult(TypedDict):
     clock: ClockReport | None
     upkeep: list[UpkeepTask]
     store: StoreState | None
+    state_dir: str | None
 
 
 class StoreState(TypedDict):

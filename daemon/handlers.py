@@ -268,6 +268,7 @@ class Handlers:
             clock=self._clock_report(),
             upkeep=list(self.upkeep.tasks.values()) if self.upkeep else [],
             store=self.store_state(),
+            state_dir=str(self.store.config.state_dir),
         )
 
     def _clock_report(self) -> m.ClockReport:

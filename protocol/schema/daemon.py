@@ -114,6 +114,9 @@ class StatusResult(Struct):
     clock: ClockReport | None = None
     upkeep: list[UpkeepTask] = []
     store: StoreState | None = None
+    # The daemon's state dir (its daemon id, lock, outbox): on PostgreSQL db_path names
+    # no file in it, so tools find it here (None from a daemon before this field).
+    state_dir: str | None = None
 
 
 class ShutdownResult(Struct):
