@@ -12,6 +12,8 @@ import pytest
 
 from towerd.client import Client
 
+pytestmark = pytest.mark.both_backends
+
 SMALL_FRAME = 64 * 1024
 BIG = "x" * 3000  # each row about 3 KB: 40 of them overflow a 64 KiB frame
 

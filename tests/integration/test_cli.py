@@ -9,7 +9,11 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from towerd_testing import TOWERCTL, plant_foreign_rows, towerctl, wait_for
+import pytest
+
+from towerd_testing import TOWERCTL, db_location, plant_foreign_rows, towerctl, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 UUID_RE = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 
@@ -90,7 +94,8 @@ def test_status(daemon):
     status = ok_json(daemon, "status")
     assert status["pid"] == daemon.pid
     assert status["socket_path"] == str(daemon.socket_path)
-    assert status["db_path"] == str(daemon.state_dir / "towerd.db")
+    assert status["db_path"] == db_location(daemon)
+    assert status["state_dir"] == str(daemon.state_dir)
     assert status["sessions"] == 0
     assert status["keys"] == {"in_progress": 0, "completed": 0, "outcome_unknown": 0}
     text = ok_text(daemon, "status")
@@ -342,6 +347,7 @@ def test_fleet_import_legacy_text_reports_counts_and_skips(daemon, short_tmp):
     ]
 
 
+@pytest.mark.sqlite_only  # plants another daemon's rows in the file; PostgreSQL: test_adopt_boxes
 def test_fleet_adopt(daemon):
     """adopt refuses own (bad_args) and unknown (not_found) ids; takes gone rows."""
     own = ok_json(daemon, "status")["daemon_id"]

@@ -20,6 +20,8 @@ import pytest
 
 from towerd_testing import Daemon, towerctl, wait_for
 
+pytestmark = pytest.mark.both_backends
+
 KV_MAX = 64 * 1024  # the daemon's default --kv-max-value
 DASH = "\u2014"
 

@@ -19,7 +19,10 @@ import pytest
 
 from towerd_testing import TOWERCTL, Daemon, wait_for
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux"),
+    pytest.mark.both_backends,
+]
 
 FAKE_CLAUDE = """\
 #!{python}

@@ -29,6 +29,8 @@ from towerd.client.hook_report import (
 from towerd.client.trail import CONTEXT
 from towerd_testing import TOWERCTL, towerctl
 
+pytestmark = pytest.mark.both_backends
+
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "hooks"
 KINDS = [
     "SessionStart", "UserPromptSubmit", "PreToolUse", "PostToolUse", "Notification",

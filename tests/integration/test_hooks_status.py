@@ -8,9 +8,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from towerd.client.agents import AGENT_EVENTS
 from towerd.client.hooks_install import CODEX_TRUST_HINT
 from towerd_testing import TOWERCTL, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 PATH = "/usr/bin:/bin"  # no venv on it, as in an agent's hook
 

@@ -23,6 +23,8 @@ import pytest
 
 from towerd_testing import TOWERCTL, Daemon, wait_for
 
+pytestmark = pytest.mark.both_backends
+
 RECORDER = textwrap.dedent(
     """
     import json, os, sys

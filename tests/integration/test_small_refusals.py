@@ -13,6 +13,8 @@ from towerd.client import BadArgs
 from towerd.protocol.methods import MAX_SCOPE_IDS
 from towerd_testing import TOWERCTL, wait_for
 
+pytestmark = pytest.mark.both_backends
+
 
 def test_event_list_with_260000_ids_is_bad_args_and_duplicates_are_folded(daemon):
     """260,000 ids used to reach SQLite as 260,000 variables (internal error); past the
