@@ -15,6 +15,8 @@ import pytest
 from towerd.client import IdempotencyKeyUnknown
 from towerd_testing import Daemon
 
+pytestmark = pytest.mark.both_backends
+
 MAX_FRAME = 1024 * 1024
 TIMEOUT = 10.0
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 
 import pytest
 
 from towerd.client import Client, IdempotencyKeyUnknown, Internal
-from towerd_testing import TOWERCTL, wait_for
+from towerd_testing import TOWERCTL, store_execute, wait_for
+
+pytestmark = pytest.mark.both_backends
 
 
 def test_environment_configures_daemon_and_clients(make_daemon, short_tmp):
@@ -100,10 +101,7 @@ def test_a_fault_inside_a_handler_is_internal_logged_and_survived(daemon):
     with daemon.client() as client:
         client.idem_claim("op", "damaged")
         client.idem_complete("op", "damaged", {"fine": True})
-    db = sqlite3.connect(daemon.state_dir / "towerd.db")
-    with db:
-        db.execute("UPDATE idempotency SET result = x'c1' WHERE key = 'damaged'")
-    db.close()
+    store_execute(daemon, "UPDATE idempotency SET result = ? WHERE key = 'damaged'", (b"\xc1",))
     with daemon.client() as client:
         with pytest.raises(Internal) as failure:
             client.idem_get("op", "damaged")

@@ -22,10 +22,13 @@ import pytest
 from towerd.protocol.naming import effect_key
 from towerd_testing import TOWERCTL, wait_for
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("tmux") is None,
-    reason="tmux is not installed: the dashboard is tested in a real terminal inside tmux",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("tmux") is None,
+        reason="tmux is not installed: the dashboard is tested in a real terminal inside tmux",
+    ),
+    pytest.mark.both_backends,
+]
 
 FAST_SWEEP = ("--holder-check-interval", "0.2")
 APP, API, WEB = "/srv/repos/app", "/srv/repos/api", "/srv/repos/web"
