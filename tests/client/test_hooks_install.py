@@ -356,16 +356,24 @@ def test_the_installed_command_runs_through_sh_and_fails_open_without_a_daemon(t
     for agent, path in (("claude", ".claude/settings.json"), ("codex", ".codex/hooks.json")):
         data = json.loads((home / path).read_text())
         (handler,) = towerd_handlers(data, "SessionStart")
-        result = subprocess.run(
-            ["sh", "-c", handler["command"]],
-            input=json.dumps(SESSION_START),
-            env={"HOME": str(home), "PATH": PATH, "TOWERD_SOCKET": str(tmp_path / "no.sock")},
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        result = run_without_a_daemon(handler, home, tmp_path)
         assert (result.returncode, result.stdout) == (0, ""), (agent, result.stderr)
+
+
+def run_without_a_daemon(
+    handler: dict, home: Path, tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
+    """An installed handler's command run as an agent runs it (through sh, no venv on
+    PATH) on a SessionStart, its socket a path nobody listens on."""
+    return subprocess.run(
+        ["sh", "-c", handler["command"]],
+        input=json.dumps(SESSION_START),
+        env={"HOME": str(home), "PATH": PATH, "TOWERD_SOCKET": str(tmp_path / "no.sock")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 def test_a_python_without_a_towerctl_script_wires_the_launcher_that_works(tmp_path, home):
@@ -398,15 +406,7 @@ def test_a_python_without_a_towerctl_script_wires_the_launcher_that_works(tmp_pa
     argv = shlex.split(handler["command"])
     assert argv[:3] == [str(venv / "bin" / "python"), "-I", "-S"]
     assert os.path.samefile(argv[3], LAUNCHER)
-    hook = subprocess.run(
-        ["sh", "-c", handler["command"]],
-        input=json.dumps(SESSION_START),
-        env={"HOME": str(home), "PATH": PATH, "TOWERD_SOCKET": str(tmp_path / "no.sock")},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    hook = run_without_a_daemon(handler, home, tmp_path)
     assert (hook.returncode, hook.stdout, hook.stderr) == (0, "", "")
 
 

@@ -450,6 +450,14 @@ def claim_params(key: str) -> IdemClaimParams:
     return IdemClaimParams(operation="op", key=key)
 
 
+async def answer_together(store: Store, *pids: int, claim: Any = idempotency.claim) -> None:
+    """One batch of claims by these client processes, answered: the writers the next
+    batch's hold waits for."""
+    futures = [store.write(claim, caller(pid=pid), claim_params(f"k{pid}")) for pid in pids]
+    for future in futures:
+        await future
+
+
 @pytest.mark.sqlite_only
 async def test_the_next_batch_waits_for_the_writers_the_last_one_answered(
     short_tmp: Path,
@@ -460,9 +468,7 @@ async def test_the_next_batch_waits_for_the_writers_the_last_one_answered(
     claim = noting_batch(seen, idempotency.claim)
     async with opened(short_tmp, commit_hold_us=HELD_LONG_US) as store:
         started = time.monotonic()
-        first = [store.write(claim, caller(pid=pid), claim_params(f"k{pid}")) for pid in (101, 102)]
-        for future in first:
-            await future
+        await answer_together(store, 101, 102, claim=claim)
         third = store.write(claim, caller(pid=103), claim_params("k103"))
         await wait_all_tasks_blocked()
         assert not third.done()  # held: 101 and 102 have not written again
@@ -492,10 +498,7 @@ async def test_a_writer_that_does_not_come_back_holds_the_batch_no_longer_than_t
     short_tmp: Path,
 ) -> None:
     async with opened(short_tmp, commit_hold_us=50_000) as store:
-        first = [store.write(idempotency.claim, caller(pid=pid), claim_params(f"k{pid}"))
-                 for pid in (101, 102)]  # fmt: skip
-        for future in first:
-            await future
+        await answer_together(store, 101, 102)
         started = time.monotonic()
         await store.write(idempotency.claim, caller(pid=103), claim_params("k103"))
         waited = time.monotonic() - started
@@ -506,10 +509,7 @@ async def test_a_writer_that_does_not_come_back_holds_the_batch_no_longer_than_t
 @pytest.mark.sqlite_only
 async def test_more_writers_than_the_hold_takes_are_not_held(short_tmp: Path) -> None:
     async with opened(short_tmp, commit_hold_us=HELD_LONG_US, commit_hold_max_writers=1) as store:
-        first = [store.write(idempotency.claim, caller(pid=pid), claim_params(f"k{pid}"))
-                 for pid in (101, 102)]  # fmt: skip
-        for future in first:
-            await future
+        await answer_together(store, 101, 102)
         started = time.monotonic()
         await store.write(idempotency.claim, caller(pid=103), claim_params("k103"))
         assert time.monotonic() - started < HELD_LONG_US / 1e6 / 2
