@@ -53,6 +53,7 @@ from towerd.daemon.store.status import status_counts
 from towerd.daemon.store.tx import Caller, Tx, current_clock, now_ms
 from towerd.protocol import PROTOCOL_VERSION, SERVER_NAME, VERSION
 from towerd.protocol import methods as m
+from towerd.protocol.envelope import encode_data
 from towerd.protocol.errors import BadArgs, Conflict, Unavailable
 
 if TYPE_CHECKING:
@@ -294,7 +295,7 @@ class Handlers:
         if cached is not None:
             return cached
         row = self.store.read_now(fleet.get, caller, params)
-        return self.cache.remember(self.cache.fleet, params.session_id, row)
+        return self.cache.remember(self.cache.fleet, params.session_id, encode_data(row))
 
     def idem_get(self, caller: Caller, params: m.IdemKeyParams) -> Any:
         if not self.store.inline_reads:  # another box may have written: no cache
@@ -304,7 +305,7 @@ class Handlers:
         if cached is not None:
             return cached
         record = self.store.read_now(idempotency.get, caller, params)
-        return self.cache.remember(self.cache.idem, key, record)
+        return self.cache.remember(self.cache.idem, key, encode_data(record))
 
     # --- a claim for another process -----------------------------------------------------
 

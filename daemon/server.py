@@ -187,6 +187,7 @@ class Connection(asyncio.Protocol):
         self.caller: Caller | None = None
         self.peer_pid: int | None = None  # set once counted against the per-process cap
         self.decoder = FrameDecoder(server.limits.max_frame)  # holds frames not yet dispatched
+        self.reply_limit = server.limits.max_frame + RESPONSE_SLACK  # bytes of one answer
         self.in_flight = 0
         self.finishing = False  # no more requests: close once the in-flight ones are answered
         self.reading = True
@@ -240,19 +241,20 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.finishing or self.caller is None:
             return
-        if stages.TRACE is not None:
-            stages.TRACE.last_read = stages.now_ns()
+        trace = stages.TRACE
+        if trace is not None:
+            trace.last_read = stages.now_ns()
         if self.may_dispatch() and (frame := self.decoder.whole_frame(data)) is not None:
             # The usual case, one whole request (a client waiting for its answer): no
             # buffering. Nothing was held, so no frame timer runs; only reading may change.
             self.handle_frame(frame)
-            if not self.finishing:
+            if not self.finishing and self.reading is not self.may_dispatch():
                 self.update_reading()
         else:
             self.decoder.append(data)
             self.dispatch()
-        if stages.TRACE is not None:
-            stages.TRACE.last_read = 0
+        if trace is not None:
+            trace.last_read = 0
 
     def eof_received(self) -> bool:
         # Reading pauses while frames wait undispatched, so every frame before the EOF
@@ -376,11 +378,16 @@ class Connection(asyncio.Protocol):
         if request.method == "watch" or self.subscription is not None:
             self.start_watch(request, started)
             return
+        method = request.method
         try:
-            handler = self.handlers.table.get(request.method)
+            handler = self.handlers.table.get(method)
             if handler is None:
-                raise UnknownMethod(f"unknown method {quoted(request.method)}")
-            outcome = handler(self.caller, decode_params(request.method, request))
+                raise UnknownMethod(f"unknown method {quoted(method)}")
+            try:
+                params = _PARAMS_DECODERS[method].decode(request.params)
+            except (msgspec.DecodeError, RecursionError) as exc:
+                raise bad_params(method, exc) from None
+            outcome = handler(self.caller, params)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
             self.answer_failure(request, exc, started)
             return
@@ -413,10 +420,10 @@ class Connection(asyncio.Protocol):
     def answer(self, request: Request, result: Any, started: float) -> None:
         try:
             frame = encode_result(request.id, result)
-            if len(frame) > self.limits.max_frame + RESPONSE_SLACK:
+            if len(frame) > self.reply_limit:
                 raise Internal(
                     f"the result of {request.method} is {len(frame)} bytes, over the "
-                    f"response limit of {self.limits.max_frame + RESPONSE_SLACK}"
+                    f"response limit of {self.reply_limit}"
                 )
         except Exception as exc:  # noqa: BLE001
             self.answer_failure(request, exc, started)
@@ -489,7 +496,7 @@ class Connection(asyncio.Protocol):
             )
             # Encoded in the same loop step: no change can be pushed before the answer.
             frame = encode_result(request.id, WatchResult(snapshot=snapshot, seq=0))
-            if len(frame) > self.limits.max_frame + RESPONSE_SLACK:
+            if len(frame) > self.reply_limit:
                 raise Internal(f"the watch snapshot is {len(frame)} bytes, over the frame limit")
         except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
             hub.unsubscribe(subscription)  # an answered error is no subscription
@@ -591,7 +598,7 @@ class Connection(asyncio.Protocol):
             self.drop(outbound_bytes=transport.get_write_buffer_size())
 
     def error_frame(self, request_id: int, error: TowerdError) -> bytes:
-        return error_reply(request_id, error, self.limits.max_frame + RESPONSE_SLACK)
+        return error_reply(request_id, error, self.reply_limit)
 
     def refuse(self, error: TowerdError, request_id: int = FRAME_ERROR_ID) -> None:
         """One error frame, then close once the requests in flight are answered."""
@@ -691,9 +698,14 @@ def quoted(text: str, limit: int = ECHO_LIMIT) -> str:
 def decode_params(method: str, request: Request) -> Any:
     try:
         return _PARAMS_DECODERS[method].decode(request.params)
-    except msgspec.ValidationError as exc:
-        raise BadArgs(f"invalid params for {method}: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise BadArgs(f"undecodable params for {method}: {exc}") from None
-    except RecursionError:
-        raise BadArgs(f"params for {method} are nested too deeply to decode") from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise bad_params(method, exc) from None
+
+
+def bad_params(method: str, exc: BaseException) -> BadArgs:
+    """What a request whose params do not decode as its method's is answered."""
+    if isinstance(exc, msgspec.ValidationError):
+        return BadArgs(f"invalid params for {method}: {exc}")
+    if isinstance(exc, RecursionError):
+        return BadArgs(f"params for {method} are nested too deeply to decode")
+    return BadArgs(f"undecodable params for {method}: {exc}")
