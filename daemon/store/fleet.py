@@ -42,6 +42,9 @@ _WRITTEN_COLUMNS = ("session_id", *SESSION_FIELDS, "daemon_id", "owner_epoch", "
 AGENT_COLUMNS = ("agent_pid", "live")  # kept by hooks (store/agents.py) and the sweep
 ROW_COLUMNS = (*_WRITTEN_COLUMNS, *AGENT_COLUMNS)
 _SELECT_ROW = f"SELECT {', '.join(ROW_COLUMNS)} FROM sessions"
+# A point read's statements, built once (sqlite3 finds a prepared statement by its text).
+_GET_ANY_BOX = f"{_SELECT_ROW} WHERE session_id = ?"
+_GET_IN_BOX = f"{_SELECT_ROW} WHERE session_id = ? AND daemon_id = ?"
 _BOOLEAN_FIELDS = frozenset({"pinned", "exited", "live"})
 _SQLITE_MAX_VARIABLES = 500  # stay far below SQLite's limit when chunking IN (...)
 
@@ -114,9 +117,7 @@ def shown_box(tx: Tx, daemon_id: str | None) -> str | None:
 
 def get_session(tx: Tx, session_id: str) -> SessionRow:
     """One of this daemon's rows (another daemon's rows are not visible here)."""
-    values = tx.conn.execute(
-        f"{_SELECT_ROW} WHERE session_id = ? AND daemon_id = ?", (session_id, tx.daemon_id)
-    ).fetchone()
+    values = tx.conn.execute(_GET_IN_BOX, (session_id, tx.daemon_id)).fetchone()
     if values is None:
         raise no_such_session(session_id)
     return row_from_sql(values)
@@ -125,8 +126,10 @@ def get_session(tx: Tx, session_id: str) -> SessionRow:
 def get(tx: Tx, caller: Caller, params: FleetGetParams) -> SessionRow:
     """``fleet.get``: the row, among the rows shown (see :func:`shown_box`)."""
     session_id, box = params.session_id, shown_box(tx, params.daemon_id)
-    clause, args = where(("session_id = ?", session_id), daemon_id=box)
-    values = tx.conn.execute(f"{_SELECT_ROW} {clause}", args).fetchone()
+    if box is None:
+        values = tx.conn.execute(_GET_ANY_BOX, (session_id,)).fetchone()
+    else:
+        values = tx.conn.execute(_GET_IN_BOX, (session_id, box)).fetchone()
     if values is None:
         if box is None:
             raise no_such_session(session_id, "any box's fleet")

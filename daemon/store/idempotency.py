@@ -110,12 +110,15 @@ def _row(values: tuple[Any, ...]) -> _Row:
     )
 
 
+# Built once: every claim, complete and point read runs it (a statement is looked up
+# in sqlite3's cache by its text, so an f-string per call costs a new string and hash).
+_LOAD = (
+    f"SELECT {_RECORD_COLUMNS} FROM idempotency WHERE principal = ? AND operation = ? AND key = ?"
+)
+
+
 def _load(tx: Tx, principal: str, operation: str, key: str) -> _Row | None:
-    values = tx.conn.execute(
-        f"SELECT {_RECORD_COLUMNS} FROM idempotency "
-        "WHERE principal = ? AND operation = ? AND key = ?",
-        (principal, operation, key),
-    ).fetchone()
+    values = tx.conn.execute(_LOAD, (principal, operation, key)).fetchone()
     return None if values is None else _row(values)
 
 

@@ -67,6 +67,7 @@ log = structlog.get_logger("towerd.store")
 DB_FILE = "towerd.db"
 BACKUP_DIR = "backups"
 BUSY_TIMEOUT_MS = DEFAULT_BUSY_TIMEOUT_MS  # what a connection waits for a lock (start-up, reads)
+SHARED_READ_S = 0.001  # the loop's point reads share one read transaction this long at most
 
 
 class _SubmittingThread(Protocol):
@@ -225,15 +226,16 @@ class Store:
         """Run ``fn(tx, *args)`` right here on the event loop's own read connection.
 
         For point lookups only (a primary-key read takes microseconds): a hop to
-        the reader thread costs more than the read itself. The reads of one step of
-        the loop share one read transaction (on SQLite): starting and ending one costs
-        more than a point read inside it (~24 us against ~9 on this machine), and a
-        loop step that serves many clients serves many reads. It ends when that step
-        is done, and before any write batch runs (so a read sees every commit before
-        it): a read transaction left open keeps a mark in the WAL, and while one is
-        there SQLite can neither finish a checkpoint nor start the WAL over: kept open
-        across steps, it let the WAL grow by ~4 KiB per write under steady writes
-        (tests/integration/test_wal_bounded.py).
+        the reader thread costs more than the read itself. The loop's reads share one
+        read transaction (on SQLite): starting and ending one costs more than a point
+        read inside it (~24 us against ~9 on this machine). It ends before any write
+        batch runs (every commit on SQLite is one of this loop's batches, so a read
+        sees every commit before it) and at most ``SHARED_READ_S`` after it began: a
+        read transaction left open keeps a mark in the WAL, and while one is there
+        SQLite can neither finish a checkpoint nor start the WAL over (left open
+        across batches, it let the WAL grow by ~4 KiB per write under steady writes;
+        tests/integration/test_wal_bounded.py). Sharing it for a millisecond rather
+        than one loop step: cold point reads at 50 clients +20% (bench/README.md).
         """
         if self.lost_reason is not None:
             raise self._lost_error()
@@ -242,8 +244,8 @@ class Store:
             if not self._reading:
                 conn.execute("BEGIN")
                 self._reading = True
-                if self.inline_reads:  # shared until the end of this loop step
-                    asyncio.get_running_loop().call_soon(self._end_read)
+                if self.inline_reads:  # shared for a millisecond or until a write batch
+                    asyncio.get_running_loop().call_later(SHARED_READ_S, self._end_read)
             try:
                 tx = Tx(conn, self.daemon_id, self.owner_epoch, self._read_clock(),
                         config=self.config, one_box=self.one_box)  # fmt: skip

@@ -10,12 +10,14 @@ requires the file to stay within a few auto-checkpoints' worth (1,000 pages).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import threading
 import uuid
 
 from towerd.client import IdempotencyKeyUnknown
-from towerd_testing import Daemon
+from towerd_testing import Daemon, wait_for
 
 WRITERS = 4
 ROUNDS = 16  # per writer
@@ -90,3 +92,24 @@ def test_the_wal_stays_bounded_while_reads_run_between_the_writes(make_daemon):
         stop.set()
         reader.join(10)
     assert largest < WAL_BOUND, f"the WAL grew to {largest / 1e6:.1f} MB"
+
+
+def test_the_loops_read_transaction_ends_when_reads_stop(make_daemon):
+    """Point reads share one read transaction for at most a millisecond (daemon/store
+    store.py ``SHARED_READ_S``): once they stop, with no write to end it, nothing of the
+    daemon's holds a mark in the WAL and a truncating checkpoint gets through."""
+    daemon = make_daemon().start()
+    with daemon.client() as client:
+        client.idem_claim("wal", "written")  # frames in the WAL for a checkpoint to move
+        for _ in range(50):  # absent keys are never cached: each read goes to SQLite
+            with contextlib.suppress(IdempotencyKeyUnknown):
+                client.idem_get("wal", "absent")
+
+        def truncated() -> bool:
+            with contextlib.closing(sqlite3.connect(daemon.state_dir / "towerd.db")) as conn:
+                conn.execute("PRAGMA busy_timeout = 0")
+                busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            return busy == 0 and wal_bytes(daemon) == 0
+
+        wait_for(truncated, timeout=5, what="a truncating checkpoint with no reader in the way")
+        assert client.idem_get("wal", "written")["state"] == "in_progress"
