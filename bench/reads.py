@@ -313,7 +313,7 @@ def cold_benchmark(
     hot: dict[tuple[str, str], Pooled],
     clients: int,
     args: argparse.Namespace,
-) -> dict[str, float]:
+) -> dict[str, tuple[float, float]]:
     """Point reads that all miss the read cache: every connection walks its own stretch
     of more distinct rows than the cache keeps. Ratio against the echo ceiling of the
     same method in the same run (the echo does the same work whichever row it is)."""
@@ -340,12 +340,22 @@ def cold_benchmark(
                 raise SystemExit(f"cold {method}: errors during the run: {result.errors}")
             rounds.append(result)
         r = Pooled(rounds)
-        ratios[method] = r.rps / hot[method, ceiling.name].rps
+        ratios[method] = (r.rps / hot[method, ceiling.name].rps,
+                          r.cpu("server_cpu_pct") * 1e4 / r.rps)  # fmt: skip
         print(
             f"{method:10} {us(r.p50):8.1f} {us(r.p99):8.1f} {r.rps:8.0f} "
-            f"{r.cpu('server_cpu_pct'):6.0f}%  {ratios[method]:12.2f}"
+            f"{r.cpu('server_cpu_pct'):6.0f}%  {ratios[method][0]:12.2f}"
         )
     return ratios
+
+
+def loop_budget(needed_rps: float, spent_us: float) -> str:
+    """What a throughput target leaves towerd per answer: its loop is one thread, so at
+    most one core's microseconds divided by the answers a second the target needs."""
+    return (
+        f"  the target is {needed_rps:.0f} req/s: one core gives the loop (one thread) at "
+        f"most {1e6 / needed_rps:.1f} us of CPU an answer; towerd spent {spent_us:.1f} us"
+    )
 
 
 def pin(pid: int, cpus: set[int]) -> None:
@@ -564,12 +574,15 @@ def main() -> None:
                 f"the generator {per_request('towerd', 'gen_cpu_pct'):.1f} us against towerd, "
                 f"{per_request(ceiling.name, 'gen_cpu_pct'):.1f} us against {ceiling.name}"
             )
-        for method, ratio in cold_ratios.items():
+            print(loop_budget(RPS_TARGET * many[method, ceiling.name].rps,
+                              per_request("towerd", "server_cpu_pct")))  # fmt: skip
+        for method, (ratio, cpu_us) in cold_ratios.items():
             print(
                 f"target: cold reads {args.clients} clients, {method} req/s (every read from "
                 f"SQLite) >= {COLD_TARGET}x {ceiling.name}: measured {ratio:.2f}x -> "
                 f"{verdict(ratio >= COLD_TARGET)}"
             )
+            print(loop_budget(COLD_TARGET * many[method, ceiling.name].rps, cpu_us))
         ratio = idle_p99 / base_p99
         print(
             f"target: {args.idle} idle connections, p99 of 8 active clients <= {IDLE_TARGET}x "
