@@ -70,11 +70,17 @@ def postgres_available() -> str | None:
             pwd.getpwnam(SERVER_USER)
         except KeyError:
             return f"running as root (initdb refuses root) and there is no {SERVER_USER!r} user"
-        if shutil.which("runuser") is None:
+        if runuser() is None:
             return f"running as root and runuser is missing (to run the server as {SERVER_USER})"
     if importlib.util.find_spec("psycopg") is None:
         return "psycopg is not installed (pip install -e '.[postgresql]')"
     return None
+
+
+def runuser() -> str | None:
+    """runuser's path: on PATH, else in the sbin directories (a root shell opened with
+    Debian's ``su``, not ``su -``, keeps a PATH without them)."""
+    return shutil.which("runuser") or shutil.which("runuser", path="/usr/sbin:/sbin")
 
 
 def in_ci(environ: Mapping[str, str] = os.environ) -> bool:
@@ -415,7 +421,7 @@ class PgCluster:
     def _run(self, *argv: str | Path) -> subprocess.CompletedProcess[str]:
         command = [str(arg) for arg in argv]
         if self.as_server_user:
-            command = ["runuser", "-u", SERVER_USER, "--", *command]
+            command = [runuser() or "runuser", "-u", SERVER_USER, "--", *command]
         # No PG* settings of the caller's environment reach the server tools; messages
         # in English (the port-taken check reads the log).
         env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}

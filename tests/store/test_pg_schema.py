@@ -24,6 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from pg_cluster import runuser
 from towerd.daemon.private_paths import StartRefused
 from towerd.daemon.store import pg_schema, schema
 
@@ -48,7 +49,7 @@ def _as_postgres(*args: str | Path) -> None:
     runs as) postgres."""
     command = [str(arg) for arg in args]
     if os.geteuid() == 0:
-        command = ["runuser", "-u", "postgres", "--", *command]
+        command = [runuser() or "runuser", "-u", "postgres", "--", *command]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed: {done.stdout}{done.stderr}")
