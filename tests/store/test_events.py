@@ -45,7 +45,7 @@ from towerd.daemon.store import (
     retention,
     schema,
 )
-from towerd.daemon.store.tx import PAGE_BYTES, Caller, now_ms, pack
+from towerd.daemon.store.tx import PAGE_BYTES, Caller, Tx, now_ms, pack
 from towerd.protocol.changes import IdemChanged
 from towerd.protocol.errors import BadArgs, Conflict, IdempotencyConflict, NotFound
 from towerd.protocol.methods import (
@@ -216,6 +216,10 @@ async def other_daemon_session(root: Path, **fields: Any) -> str:
 # --- event.record ------------------------------------------------------------------------
 
 
+def batch_clock(tx: Tx) -> int:
+    return tx.now
+
+
 async def test_record_files_the_event_under_the_session_and_its_agent_session(
     short_tmp: Path,
 ) -> None:
@@ -226,10 +230,12 @@ async def test_record_files_the_event_under_the_session_and_its_agent_session(
         session = await register(store, agent_session_id="as-1")
         bare = await register(store)  # no agent session id
         notes = watching(store)
-        before = now_ms()
+        # The batches' clock (towerd's own on SQLite, the server's on PostgreSQL; the
+        # test process's now_ms() is towerd's clock, some ms off the server's under load).
+        before = await store.write(batch_clock)
         result = await record(store, "Notification", session, payload={"message": "hi"})
         assert result.session_id == session
-        assert before <= result.at <= now_ms()
+        assert before <= result.at <= await store.write(batch_clock)
         [row] = await sql(store, "SELECT * FROM events")
         assert row == (
             result.event_id,
