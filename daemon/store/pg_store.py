@@ -213,6 +213,9 @@ class _NoFiles:
     def lost(self) -> str | None:
         return None
 
+    def lost_after_commit(self) -> str | None:
+        return None
+
 
 class PgStore(Store):
     """The store on a PostgreSQL database shared by several boxes."""

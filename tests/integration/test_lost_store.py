@@ -45,6 +45,31 @@ def test_an_idle_daemon_notices_by_itself(daemon):
     assert '"store_lost"' in daemon.log()
 
 
+def test_a_removed_wal_is_not_written_into(daemon):
+    """The WAL alone removed (its acknowledged keys would be gone at the next start):
+    the next write is not acknowledged. After a commit the WAL is checked for being
+    there only (daemon/store/store.py ``DatabaseFiles``), and that is enough here."""
+    _complete(daemon, "before")
+    with daemon.client() as client:
+        (daemon.state_dir / "towerd.db-wal").unlink()
+        with pytest.raises(Unavailable):
+            client.idem_claim("push", "after")
+    assert daemon.proc.wait(10) == EXIT_REFUSED
+    assert "towerd.db-wal was removed" in daemon.log()
+
+
+def test_a_wal_replaced_on_its_own_is_noticed_by_the_guard(daemon):
+    """Another file renamed over the WAL: the WAL is not stat'ed after each commit, so
+    the once-a-second guard, which checks every file by identity, notices it."""
+    _complete(daemon, "before")
+    wal = daemon.state_dir / "towerd.db-wal"
+    other = daemon.state_dir / "other-wal"
+    shutil.copyfile(wal, other)
+    os.replace(other, wal)
+    assert daemon.proc.wait(10) == EXIT_REFUSED
+    assert "towerd.db-wal was replaced by another file" in daemon.log()
+
+
 def test_restart_after_the_loss_refuses_a_fresh_identity(daemon):
     """The state dir still shows the store that was there (its daemon id record): the
     next start exits 78 naming it and --new-store; with --new-store, a new daemon id."""
