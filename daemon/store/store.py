@@ -703,13 +703,11 @@ class DatabaseFiles:
     SUFFIXES = ("", "-wal", "-shm")
 
     def __init__(self, db_path: Path) -> None:
-        self.paths = [str(db_path) + suffix for suffix in self.SUFFIXES]
-        self.opened = [self._identity(path) for path in self.paths]
-        self._wal = self.paths[1]
-        self._by_identity = [
-            (path, opened) for path, opened in zip(self.paths, self.opened, strict=True)
-            if path != self._wal
-        ]  # fmt: skip
+        # Each file's path and its (device, inode) when opened (None: it was not there).
+        paths = [str(db_path) + suffix for suffix in self.SUFFIXES]
+        self.files = [(path, self._identity(path)) for path in paths]
+        self._wal, self._wal_opened = self.files[self.SUFFIXES.index("-wal")]
+        self._beside_wal = [file for file in self.files if file[0] != self._wal]
 
     @staticmethod
     def _identity(path: str) -> tuple[int, int] | None:
@@ -721,12 +719,12 @@ class DatabaseFiles:
 
     def lost(self) -> str | None:
         """What happened to a file since it was opened, or None if all are as opened."""
-        return self._changed(zip(self.paths, self.opened, strict=True))
+        return self._changed(self.files)
 
     def lost_after_commit(self) -> str | None:
         """:meth:`lost`, with the WAL checked for being there but not stat'ed (above)."""
-        changed = self._changed(self._by_identity)
-        if changed is None and self.opened[1] is not None and not os.access(self._wal, os.F_OK):
+        changed = self._changed(self._beside_wal)
+        if changed is None and self._wal_opened is not None and not os.access(self._wal, os.F_OK):
             return f"{self._wal} was removed"
         return changed
 
