@@ -9,9 +9,9 @@ every few seconds would bury the changes that matter.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
+from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.tx import Caller, Tx, note, pack, take_page, unpack, where
 from towerd.protocol.fields import AUDIT_CATEGORIES
 from towerd.protocol.fields import WATCH_TOPICS as ALL_TOPICS
@@ -33,7 +33,7 @@ def record(
     event_id: str | None = None,
 ) -> str:
     """Append one event (idempotent by ``event_id``); returns its id, for ``caused_by``."""
-    event_id = event_id or str(uuid.uuid4())
+    event_id = event_id or random_uuid()
     tx.conn.execute(
         """INSERT INTO audit_events
                (event_id, trace_id, turn_id, caused_by, category, type, ts, actor, payload)

@@ -8,13 +8,13 @@ hierarchy within one daemon's fleet (see :mod:`relink`).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import boxes, quota
 from towerd.daemon.store.idempotency import log_operator_action, once_under_key
+from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
 from towerd.daemon.store.tx import Caller, Tx, note, own_box, take_page, where
@@ -229,7 +229,7 @@ def _require_unique_agent_session(tx: Tx, agent_session_id: str | None, session_
 
 def insert_session(tx: Tx, params: SessionRegisterParams) -> str:
     """Insert one row; the caller's session id is kept, else one is minted."""
-    session_id = params.session_id or str(uuid.uuid4())
+    session_id = params.session_id or random_uuid()
     require_writable(tx, [session_id])
     if own_row(tx, session_id) is not None:
         raise Conflict(f"session {session_id} is already registered", {"session_id": session_id})

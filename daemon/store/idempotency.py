@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import msgspec
 
 from towerd.daemon.processes import Holder, is_alive
 from towerd.daemon.store import quota
+from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.tx import (
     Caller,
     Tx,
@@ -185,6 +185,14 @@ def claim(tx: Tx, caller: Caller, params: IdemClaimParams) -> IdemClaimResult:
     """
     principal, holder = caller.principal, caller.holder
     digest = payload_hash(params.payload)
+    if not params.replay_only and quota.has_room(
+        tx, principal, "idempotency", tx.config.quota_rows
+    ):
+        # The usual claim, a new key: one INSERT that does nothing when the key exists
+        # (then it is answered below, as it stands), instead of a SELECT first.
+        claimed = _insert_claim(tx, principal, params, digest, holder, if_new=True)
+        if claimed is not None:
+            return claimed
     row = _load(tx, principal, params.operation, params.key)
     if row is not None:
         if row.payload_hash != digest:
@@ -205,8 +213,24 @@ def claim(tx: Tx, caller: Caller, params: IdemClaimParams) -> IdemClaimResult:
             {"operation": params.operation, "key": params.key},
         )
     quota.require_room(tx, principal, "idempotency", tx.config.quota_rows)
-    effect_ref = params.effect_ref or str(uuid.uuid4())
-    insert(
+    claimed = _insert_claim(tx, principal, params, digest, holder, if_new=False)
+    assert claimed is not None  # a plain INSERT inserts or raises
+    return claimed
+
+
+def _insert_claim(
+    tx: Tx,
+    principal: str,
+    params: IdemClaimParams,
+    digest: bytes,
+    holder: Holder | None,
+    *,
+    if_new: bool,
+) -> IdemClaimResult | None:
+    """Insert ``params``' key ``in_progress``: its answer, or None when ``if_new`` and the
+    key exists (nothing was written)."""
+    effect_ref = params.effect_ref or random_uuid()
+    inserted = insert(
         tx,
         principal,
         params.operation,
@@ -219,8 +243,16 @@ def claim(tx: Tx, caller: Caller, params: IdemClaimParams) -> IdemClaimResult:
         attempt=params.attempt,
         probe=params.probe,
         probe_cwd=params.probe_cwd,
+        if_new=if_new,
     )
-    return IdemClaimResult("claimed", effect_ref)
+    return IdemClaimResult("claimed", effect_ref) if inserted else None
+
+
+_INSERT = """INSERT INTO idempotency (principal, operation, key, payload_hash, state, effect_ref,
+        result, holder_pid, holder_start, attempt, daemon_id, created_at, updated_at,
+        probe, probe_cwd)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
+_INSERT_IF_NEW = f"{_INSERT} ON CONFLICT DO NOTHING"
 
 
 def insert(
@@ -237,12 +269,11 @@ def insert(
     attempt: str | None = None,
     probe: str | None = None,
     probe_cwd: str | None = None,
-) -> None:
-    tx.conn.execute(
-        """INSERT INTO idempotency (principal, operation, key, payload_hash, state, effect_ref,
-               result, holder_pid, holder_start, attempt, daemon_id, created_at, updated_at,
-               probe, probe_cwd)
-           VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+    if_new: bool = False,
+) -> bool:
+    """Insert a key; with ``if_new``, nothing when it exists. Whether it was inserted."""
+    inserted = tx.conn.execute(
+        _INSERT_IF_NEW if if_new else _INSERT,
         (
             principal,
             operation,
@@ -260,8 +291,11 @@ def insert(
             probe,
             probe_cwd,
         ),
-    )
+    ).rowcount
+    if inserted != 1:
+        return False
     note(tx, "idem", IdemChanged(principal, operation, key, state, effect_ref))
+    return True
 
 
 def replay_or_refuse(
@@ -324,12 +358,23 @@ def complete(tx: Tx, caller: Caller, params: IdemCompleteParams) -> IdemRecord:
     principal, operation, key, result = (
         caller.principal, params.operation, params.key, params.result
     )  # fmt: skip
-    row = _require(tx, principal, operation, key)
-    if row.record.state == COMPLETED:
-        if pack_canonical(row.record.result) != pack_canonical(result):
-            raise _refused(operation, key, "is already completed with a different result")
-        return row.record
-    return _set_state(tx, principal, row, COMPLETED, result)
+    # The usual complete, of a key not completed yet: one UPDATE that returns the
+    # record as now stored, instead of a SELECT first.
+    packed = pack(result)
+    values = tx.conn.execute(_COMPLETE, (packed, tx.now, principal, operation, key)).fetchone()
+    if values is not None:
+        record = _row(values).record
+        note(tx, "idem", idem_changed(principal, record))
+        return record
+    row = _require(tx, principal, operation, key)  # no such key, or completed already
+    if pack_canonical(row.record.result) != pack_canonical(result):
+        raise _refused(operation, key, "is already completed with a different result")
+    return row.record
+
+
+_COMPLETE = f"""UPDATE idempotency SET state = 'completed', result = ?, updated_at = ?
+    WHERE principal = ? AND operation = ? AND key = ? AND state != 'completed'
+    RETURNING {_RECORD_COLUMNS}"""
 
 
 def release(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemReleaseResult:

@@ -9,12 +9,12 @@ the reason, never swallowed, and never fails the good ones.
 from __future__ import annotations
 
 import re
-import uuid
 from typing import Any
 
 import msgspec
 
 from towerd.daemon.store.fleet import agent_session_index, replace_rows
+from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.tx import Caller, Tx
 from towerd.protocol.methods import (
     LegacyImported,
@@ -106,7 +106,7 @@ def import_legacy(tx: Tx, caller: Caller, params: LegacyImportParams) -> LegacyI
             )
             del parsed[agent_session_id]
         else:
-            minted[agent_session_id] = str(uuid.uuid4())
+            minted[agent_session_id] = random_uuid()
 
     entries = []
     for agent_session_id, (_index, entry) in sorted(parsed.items(), key=lambda item: item[1][0]):

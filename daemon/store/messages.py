@@ -13,12 +13,11 @@ sent, whatever their status) are pruned with the expiry sweep (:func:`prune`).
 
 from __future__ import annotations
 
-import uuid
-
 import msgspec
 
 from towerd.daemon.store import fleet, quota
 from towerd.daemon.store.idempotency import once_under_key
+from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.tx import Caller, Tx, fitted
 from towerd.protocol.errors import Conflict, NotFound
 from towerd.protocol.methods import (
@@ -61,7 +60,7 @@ def _insert(
     if keyed:  # the key is inserted after the message
         quota.require_room(tx, principal, "idempotency", quota_rows)
     quota.require_room(tx, principal, "messages", quota_rows)
-    message_id = str(uuid.uuid4())
+    message_id = random_uuid()
     tx.conn.execute(
         f"""INSERT INTO messages ({_COLUMNS}, daemon_id, principal)
             VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?)""",

@@ -26,7 +26,6 @@ import socket
 import sqlite3
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from towerd.daemon.clock import Anchor, DaemonClock, boot_id, boottime_ms
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
 from towerd.daemon.store import identity, pg_changes, pg_schema, presence, upkeep
 from towerd.daemon.store.config import StoreConfig
+from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.pg import PgConnection, connect, redacted
 from towerd.daemon.store.reconcile import start_daemon
 from towerd.daemon.store.store import Store, _fail_all
@@ -433,7 +433,7 @@ def _start(
                 "starting would forget every key this box acknowledged. Point --store at "
                 f"the right database, or {identity.NEW_STORE_HINT}"
             )
-    daemon_id = daemon_id or str(uuid.uuid4())
+    daemon_id = daemon_id or random_uuid()
     now = conn.server_now_ms()
     clock = DaemonClock(Anchor(boot_id(), boottime_ms(), now))
     use_clock(clock)

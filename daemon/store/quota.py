@@ -44,6 +44,11 @@ def usage(tx: Tx, principal: str, table: str) -> int:
     return 0 if row is None else row[0]
 
 
+def has_room(tx: Tx, principal: str, table: str, limit: int) -> bool:
+    """Whether ``principal`` may create another row of ``table``."""
+    return usage(tx, principal, table) < limit
+
+
 def require_room(
     tx: Tx,
     principal: str | None,

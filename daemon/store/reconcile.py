@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from towerd.daemon.store.idempotency import (
     expire_completed,
     mark_holders_dead,
 )
+from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.tx import Tx, note, own_box, pack
 from towerd.protocol.changes import IdemChanged
 from towerd.protocol.methods import ReconcileReport
@@ -123,7 +123,7 @@ def mint_or_load_daemon_id(conn: sqlite3.Connection) -> str:
     row = conn.execute("SELECT value FROM meta WHERE key = 'daemon_id'").fetchone()
     if row is not None:
         return row[0]
-    daemon_id = str(uuid.uuid4())
+    daemon_id = random_uuid()
     conn.execute("INSERT INTO meta (key, value) VALUES ('daemon_id', ?)", (daemon_id,))
     return daemon_id
 

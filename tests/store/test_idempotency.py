@@ -3,6 +3,7 @@ transition and refusal, isolation and concurrency."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,69 @@ async def test_first_claim_mints_an_effect_ref_and_records_in_progress(
         )
         other = await claim(store, key="k2")
         assert other.effect_ref != result.effect_ref
+
+
+class _CountingConnection:
+    """The store's connection, noting the verb of each statement run through it."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.verbs: list[str] = []
+
+    def execute(self, sql: str, args: Any = ()) -> Any:
+        self.verbs.append(sql.split(None, 1)[0].upper())
+        return self.conn.execute(sql, args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.conn, name)
+
+
+def counted(fn: Any, verbs: list[str]) -> Any:
+    """``fn`` run on a Tx whose connection notes each statement's verb in ``verbs``."""
+
+    def run(tx: Tx, *args: Any) -> Any:
+        counting = _CountingConnection(tx.conn)
+        try:
+            return fn(dataclasses.replace(tx, conn=counting), *args)
+        finally:
+            verbs.extend(counting.verbs)
+
+    return run
+
+
+async def test_a_new_claim_and_its_complete_do_not_read_the_key_first(short_tmp: Path) -> None:
+    """The usual writes, in the statements they cost (bench/writes.py: the statements are
+    most of a write's time on the writer): a new key's claim is its quota lookup and one
+    INSERT, the complete of a claimed key one UPDATE that returns the row; neither
+    SELECTs the key first. The answers and the stored rows are as before."""
+    async with opened(short_tmp) as store:
+        claim_verbs: list[str] = []
+        claimed = await store.write(
+            counted(idem.claim, claim_verbs), caller(ME, HOLDER), claim_params("k1", payload=1)
+        )
+        assert claim_verbs == ["SELECT", "INSERT"]  # quota_usage, then the key
+        assert claimed.state == "claimed"
+
+        complete_verbs: list[str] = []
+        params = IdemCompleteParams(operation=OP, key="k1", result={"out": 1})
+        record = await store.write(counted(idem.complete, complete_verbs), caller(ME), params)
+        assert complete_verbs == ["UPDATE"]
+        assert (record.state, record.result, record.effect_ref, record.holder_pid) == (
+            "completed",
+            {"out": 1},
+            claimed.effect_ref,
+            HOLDER.pid,
+        )
+        assert await get(store, "k1") == record
+
+        # A key that exists is answered from its row (the INSERT wrote nothing).
+        again: list[str] = []
+        replay = await store.write(
+            counted(idem.claim, again), caller(ME, HOLDER), claim_params("k1", payload=1)
+        )
+        assert replay == IdemClaimResult("completed", claimed.effect_ref, {"out": 1})
+        assert again == ["SELECT", "INSERT", "SELECT"]
+        assert await key_count(store) == 1
 
 
 async def test_claim_keeps_a_given_effect_ref(short_tmp: Path) -> None:
