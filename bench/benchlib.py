@@ -1,5 +1,5 @@
-"""Shared by the benchmarks and the torture: a real towerd subprocess, the machine's
-description, and percentiles."""
+"""Shared by the benchmarks and the torture: a real towerd subprocess, the echo server
+(the least a server can do per frame), the machine's description, and percentiles."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 TOWERD = str(Path(sys.executable).parent / "towerd")
+HERE = Path(__file__).resolve().parent
 
 
 class Daemon:
@@ -92,6 +93,22 @@ class Daemon:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+
+def start_echo(
+    path: Path, replies: Path | None = None, uvloop: bool = True
+) -> subprocess.Popen[str]:
+    """bench/echo_server.py on ``path``, returned once it listens."""
+    command = [sys.executable, str(HERE / "echo_server.py"), "--socket", str(path)]
+    command += (["--replies", str(replies)] if replies else []) + (
+        [] if uvloop else ["--no-uvloop"]
+    )
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # blocks until it listens (or dies: EOF)
+    if not line.startswith("READY"):
+        raise RuntimeError(f"the echo server did not start (exit status {proc.wait()})")
+    return proc
 
 
 def machine() -> str:

@@ -54,10 +54,9 @@ from _loadgen import (
     run_load,
 )
 
-from benchlib import Daemon, machine, percentile
+from benchlib import Daemon, machine, percentile, start_echo
 from towerd.client import Client
 
-HERE = Path(__file__).resolve().parent
 HELLO = frame({"id": 1, "method": "hello", "params": {"protocol": 1, "client": "bench-reads"}})
 REQUEST_ID = 2  # one request in flight per connection: the id can stay the same
 # Issue 17's read targets (the first round's were 1.5x and 0.5x, and none for cold reads).
@@ -73,17 +72,6 @@ class Server:
     path: Path
     pid: int
     hello: bytes | None  # towerd needs hello; the echo servers are sent none
-
-
-def start_echo(path: Path, replies: Path, uvloop: bool) -> subprocess.Popen[str]:
-    command = [sys.executable, str(HERE / "echo_server.py"), "--socket", str(path)]
-    command += ["--replies", str(replies)] + ([] if uvloop else ["--no-uvloop"])
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # blocks until it listens (or dies: EOF)
-    if not line.startswith("READY"):
-        raise RuntimeError(f"the echo server did not start (exit status {proc.wait()})")
-    return proc
 
 
 def setup(daemon: Daemon) -> dict[str, bytes]:

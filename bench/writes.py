@@ -27,6 +27,11 @@ For each N, every measurement on a fresh state dir or database file:
   running these statements can beat the first, so it bounds what any daemon
   can reach at that N on this machine;
 
+with 1 client, a socket round trip: a blocking client and a bare echo server
+(bench/echo_server.py) exchanging claim-sized frames. One client must have its
+claim answered before it sends the complete, so an op costs at least a floor's op
+plus two round trips: the 1-client target line prints that bound;
+
 and once, the ceiling: one process inserting the same completed rows with
 plain sqlite3 at ``synchronous=FULL``, 100 and 1000 rows per transaction (the
 better of the two is the ceiling).
@@ -49,6 +54,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -60,7 +66,7 @@ from typing import Any
 
 import _direct_sqlite as direct
 
-from benchlib import Daemon, machine, percentile
+from benchlib import Daemon, machine, percentile, start_echo
 from towerd.client import Client
 
 OPERATION = "bench.write"
@@ -505,6 +511,41 @@ def measure_ceiling(root: Path, batch: int, seconds: float) -> Sample:
     return sample
 
 
+def measure_round_trip(root: Path, seconds: float) -> float:
+    """The mean time, in us, of one request and its answer through a bare echo server
+    (bench/echo_server.py, uvloop) from a blocking client in another process, frames the
+    size of a claim's: what each write at 1 client pays on top of the store's work."""
+    import msgspec
+
+    path = fresh_dir(root, "echo") / "echo.sock"
+    echo = start_echo(path)
+    payload = msgspec.msgpack.encode(
+        {"id": 2, "method": "idem.claim", "params": {"operation": OPERATION, "key": "k0-000001"}}
+    )
+    request = len(payload).to_bytes(4, "big") + payload
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(path))
+
+            def round_trip() -> None:
+                sock.sendall(request)
+                got = 0
+                while got < len(request):
+                    got += len(sock.recv(65536))
+
+            for _ in range(200):
+                round_trip()
+            count, started = 0, time.perf_counter()
+            deadline = started + seconds
+            while time.perf_counter() < deadline:
+                round_trip()
+                count += 1
+            return (time.perf_counter() - started) / count * 1e6
+    finally:
+        echo.terminate()
+        echo.wait(10)
+
+
 # --- report ------------------------------------------------------------------------------
 
 
@@ -512,7 +553,7 @@ def _ratio(value: float, against: float) -> str:
     return f"{value / against:.2f}x" if against else "-"
 
 
-def report(samples: list[Sample], seconds: float) -> None:
+def report(samples: list[Sample], seconds: float, round_trip_us: float | None) -> None:
     ceilings = [s for s in samples if s.per_batch]
     ceiling = max(ceilings, key=lambda s: s.rate) if ceilings else None
     baselines = {s.n: s for s in samples if s.label.startswith("direct")}
@@ -546,14 +587,21 @@ def report(samples: list[Sample], seconds: float) -> None:
     )
     print()
     for n, target in TARGETS.items():
-        _report_target(samples, n, target, baselines.get(n))
+        _report_target(samples, n, target, baselines.get(n), round_trip_us)
     _report_bounds(samples, baselines.get(TARGET_N), ceiling)
 
 
-def _report_target(samples: list[Sample], n: int, target: float, baseline: Sample | None) -> None:
+def _report_target(
+    samples: list[Sample],
+    n: int,
+    target: float,
+    baseline: Sample | None,
+    round_trip_us: float | None,
+) -> None:
     """One target line per N, and how close towerd came to its floors at that N: the
     same writes through its own store functions, and through the direct baseline's
-    SQL, each in one thread with nothing else to do (no socket, no loop, no client)."""
+    SQL, each in one thread with nothing else to do (no socket, no loop, no client).
+    At 1 client, the bound that the floor and two socket round trips set."""
     sample = next((s for s in samples if s.label == "towerd, client processes" and s.n == n), None)
     if sample is None or baseline is None or not baseline.rate:
         print(f"target: durable claim+complete, {n} client(s): not measured in this run "
@@ -573,6 +621,22 @@ def _report_target(samples: list[Sample], n: int, target: float, baseline: Sampl
                 f"{floor.rate / baseline.rate:.2f}x direct; towerd reached "
                 f"{100 * sample.rate / floor.rate:.0f}% of it"
             )
+    if n != 1 or not round_trip_us:
+        return
+    for label, what in (("floor: store functions", "towerd's store functions"),
+                        ("floor: SQL", "the direct baseline's bare SQL")):  # fmt: skip
+        floor = next((s for s in samples if s.label.startswith(label) and s.n == n), None)
+        if floor is None or not floor.rate:
+            continue
+        op_us = 1e6 / floor.rate + 2 * round_trip_us
+        bound = 1e6 / op_us / baseline.rate
+        print(
+            f"  bound at 1 client with {what}: a claim's answer must arrive before the "
+            f"complete is sent, so an op takes at least their op alone ({1e6 / floor.rate:.0f} "
+            f"us) plus two round trips through a bare echo server (2 x {round_trip_us:.0f} us, "
+            f"measured in this run): {1e6 / op_us:.0f} ops/s = {bound:.2f}x direct"
+            + (" (under the target)" if bound < target else "")
+        )
 
 
 def _report_bounds(samples: list[Sample], baseline: Sample | None, ceiling: Sample | None) -> None:
@@ -685,12 +749,13 @@ def main() -> None:
             samples.append(measure_floor(root, n, seconds, "store"))
             samples.append(measure_floor(root, n, seconds, "sql"))
             samples.append(measure_floor(root, n, seconds, "minimal"))
+        round_trip_us = measure_round_trip(root, seconds) if 1 in counts else None
     finally:
         if args.keep:
             print(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    report(samples, seconds)
+    report(samples, seconds, round_trip_us)
 
 
 if __name__ == "__main__":
