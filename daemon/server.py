@@ -394,7 +394,8 @@ class Connection(asyncio.Protocol):
         if not hasattr(outcome, "__await__"):  # answered now (inspect.isawaitable: 6x slower)
             self.answer(request, outcome, started)
             return
-        future = asyncio.ensure_future(outcome)
+        # A write's future as it is (ensure_future's checks cost ~1 us); a coroutine's task.
+        future = outcome if isinstance(outcome, asyncio.Future) else asyncio.ensure_future(outcome)
         self.in_flight += 1
         future.add_done_callback(functools.partial(self.finished, request, started))
 

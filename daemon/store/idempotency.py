@@ -62,7 +62,12 @@ OUTCOME_UNKNOWN = "outcome_unknown"
 
 def payload_hash(payload: Any) -> bytes:
     """SHA-256 of the canonical (sorted-keys) msgpack encoding; no payload hashes as null."""
+    if payload is None:
+        return _NULL_HASH  # most claims (a hook's) carry none
     return hashlib.sha256(pack_canonical(payload)).digest()
+
+
+_NULL_HASH = hashlib.sha256(pack_canonical(None)).digest()
 
 
 _RECORD_COLUMNS = (

@@ -74,6 +74,8 @@ def _require_printable(field: str, value: str | None) -> None:
 
 def _require_shallow(field: str, value: Any) -> None:
     """Refuse free-form values nested deeper than MAX_VALUE_DEPTH (checked without recursion)."""
+    if not isinstance(value, dict | list | tuple):
+        return  # a scalar or None, as most payloads and results are
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
