@@ -337,6 +337,49 @@ def cold_benchmark(
     return ratios
 
 
+def cold_floor_us(
+    db_path: Path, cold: dict[str, tuple[list[bytes], list[int]]], clients: int
+) -> dict[str, float]:
+    """What a cold point read costs towerd's loop without any socket, in us: the
+    handler's store function on a read connection like the loop's (one read transaction
+    for the lot), the row encoded as its answer, one thread, the same distinct rows in
+    the cold run's order (``clients`` walks started evenly apart, taking turns; a pass
+    to warm the caches, then a timed one). The echo does none of it."""
+    import sqlite3
+
+    from towerd.daemon.store import fleet, idempotency
+    from towerd.daemon.store.tx import Caller, Tx, now_ms
+    from towerd.protocol.envelope import encode_data
+    from towerd.protocol.methods import PARAMS_DECODERS
+
+    functions = {"fleet.get": fleet.get, "idem.get": idempotency.get}
+    caller = Caller(principal=f"uid:{os.geteuid()}:default", pid=os.getpid(), holder=None)
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, isolation_level=None)
+    floors = {}
+    try:
+        ((daemon_id, epoch),) = conn.execute("SELECT daemon_id, owner_epoch FROM daemons")
+        for method, (frames, _sizes) in cold.items():
+            decoder, read = PARAMS_DECODERS[method], functions[method]
+            rows = [
+                decoder.decode(msgspec.msgpack.encode(msgspec.msgpack.decode(f[4:])["params"]))
+                for f in frames
+            ]
+            starts = [n * len(rows) // clients for n in range(clients)]
+            params = [rows[(start + step) % len(rows)]
+                      for step in range(len(rows) // clients) for start in starts]  # fmt: skip
+            conn.execute("BEGIN")
+            for timed in (False, True):
+                started = time.perf_counter()
+                for one in params:
+                    encode_data(read(Tx(conn, daemon_id, epoch, now_ms()), caller, one))
+                if timed:
+                    floors[method] = (time.perf_counter() - started) / len(params) * 1e6
+            conn.execute("COMMIT")
+    finally:
+        conn.close()
+    return floors
+
+
 def loop_budget(needed_rps: float, spent_us: float) -> str:
     """What a throughput target leaves towerd per answer: its loop is one thread, so at
     most one core's microseconds divided by the answers a second the target needs."""
@@ -504,6 +547,7 @@ def main() -> None:
         one = read_benchmark(servers, requests, sizes, 1, args)
         many = read_benchmark(servers, requests, sizes, args.clients, args)
         cold_ratios = cold_benchmark(servers[0], ceiling, cold, many, args.clients, args)
+        cold_floors = cold_floor_us(daemon.state_dir / "towerd.db", cold, args.clients)
         placement = {}
         if (os.cpu_count() or 1) >= 2:
             placement = placement_benchmark(
@@ -571,6 +615,16 @@ def main() -> None:
                 f"{verdict(ratio >= COLD_TARGET)}"
             )
             print(loop_budget(COLD_TARGET * many[method, ceiling.name].rps, cpu_us))
+            echo = many[method, ceiling.name]
+            echo_us = echo.cpu("server_cpu_pct") * 1e4 / echo.rps
+            least = echo_us + cold_floors[method]
+            allowed = 1e6 / (COLD_TARGET * echo.rps)
+            print(
+                f"  the read alone (store function and encoded answer, one thread, no socket, "
+                f"measured here) takes {cold_floors[method]:.1f} us; with the echo's "
+                f"{echo_us:.1f} us of socket work an answer that is {least:.1f} us"
+                + (f", over the {allowed:.1f} allowed" if least > allowed else "")
+            )
         ratio = idle_p99 / base_p99
         print(
             f"target: {args.idle} idle connections, p99 of 8 active clients <= {IDLE_TARGET}x "
