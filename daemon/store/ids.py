@@ -32,9 +32,10 @@ def random_uuid() -> str:
 
 
 def _forget_pool() -> None:
-    """A forked child must not mint the ids its parent will."""
-    global _pool, _used
-    _pool, _used = "", 0
+    """A forked child must not mint the ids its parent will (and gets a lock of its
+    own: another thread of the parent may have held this one at the fork)."""
+    global _lock, _pool, _used
+    _lock, _pool, _used = threading.Lock(), "", 0
 
 
 os.register_at_fork(after_in_child=_forget_pool)
