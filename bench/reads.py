@@ -18,7 +18,9 @@ pre-encoded frames, one request in flight per connection):
    bimodal (~13 us or ~50 us); this shows towerd's ratio in both layouts.
 3. Cold point reads: ``fleet.get`` and ``idem.get`` at 50 clients over 60,000
    distinct rows each, more than the read cache keeps, each connection at its
-   own offset: every read goes to SQLite. Against the echo ceiling of (1).
+   own offset: every read goes to SQLite. Against the echo ceiling of (1);
+   then the same reads with no socket at all (the handler's store function on a
+   read connection like the loop's, one thread), printed under the cold targets.
 4. 8 clients rotating ping -> fleet.get -> idem.get, without and with 1,000
    idle connections that said hello (alternating, pooled per condition): p99
    with against p99 without.
