@@ -23,7 +23,7 @@ import pytest
 from store_helpers import backend, db_path, opened, register, register_params, store_dsn
 from towerd.daemon.store import Store, fleet
 from towerd.daemon.store.tx import Tx
-from towerd.protocol.errors import StaleEpoch
+from towerd.protocol.errors import Internal, StaleEpoch
 
 pytestmark = pytest.mark.anyio
 
@@ -154,3 +154,27 @@ async def test_a_batch_that_waited_for_the_lock_reads_the_clock_after_its_wait(
                 "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
             ).fetchone()
         assert await pending >= held_until
+
+
+@pytest.mark.sqlite_only
+async def test_a_write_lock_held_past_the_busy_timeout_refuses_the_batch_and_keeps_serving(
+    short_tmp: Path,
+) -> None:
+    """Another process keeps SQLite's write lock past ``busy_timeout_ms`` (an operator's
+    ``sqlite3`` left in a transaction): the waiting write is answered ``internal`` with
+    a message naming the lock, writes nothing, and the store writes again once the lock
+    is let go (docs/protocol.md section 5: a database locked by another process)."""
+    async with opened(short_tmp, busy_timeout_ms=200) as store:
+        await register(store)
+        with writer_lock_held(short_tmp):
+            pending = store.write(fleet.insert_session, register_params(name="locked out"))
+            with pytest.raises(Internal) as refused:
+                await pending
+        assert refused.value.code == "internal"
+        assert "locked by another process" in refused.value.message
+        assert "held the write lock" in refused.value.message
+        after = await store.write(fleet.insert_session, register_params(name="after"))
+        assert after is not None
+        names = await store.read(lambda tx: tx.conn.execute("SELECT name FROM sessions").fetchall())
+        assert ("locked out",) not in names
+        assert ("after",) in names
