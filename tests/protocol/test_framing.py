@@ -192,3 +192,26 @@ def test_whole_frame_leaves_a_started_frame_and_an_oversize_one_to_the_buffer() 
     assert decoder.error is None  # left for append/next_frame to refuse
     decoder.append(encode_frame(b"ab")[:3])
     assert decoder.whole_frame(encode_frame(b"cd")) is None
+
+
+def test_the_framing_example_in_protocol_md_is_what_the_encoder_sends() -> None:
+    """docs/protocol.md section 2 shows a ping request and its answer byte by byte;
+    a field added to either (``PingResult.store`` was) must show in the dumps."""
+    from pathlib import Path
+
+    from towerd.protocol.envelope import encode_request, encode_result
+    from towerd.protocol.methods import PingResult
+
+    text = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    section = text.split("## 2. Framing", 1)[1].split("### Limits", 1)[0]
+    request_dump, answer_dump = section.split("```")[3], section.split("```")[5]
+
+    def dumped(block: str, annotated: bool) -> bytes:
+        lines = [line.split("  ")[0] if annotated else line for line in block.splitlines()]
+        return bytes.fromhex(" ".join(lines))
+
+    assert dumped(request_dump, annotated=True) == encode_request(2, "ping", {})
+    answer = PingResult(pong=True, now=1767225600000, store="reachable")
+    assert dumped(answer_dump, annotated=False) == encode_result(2, answer)
+    assert f"is {len(encode_request(2, 'ping', {}))} bytes" in section
+    assert f"({len(encode_result(2, answer))} bytes;" in section

@@ -314,3 +314,19 @@ def test_project_roots_must_be_absolute_paths_without_nul(method: str, params: d
     made os.path.realpath raise inside the handler, answered ``internal``."""
     with pytest.raises(msgspec.ValidationError, match="absolute path"):
         decode_params(method, params)
+
+
+def test_protocol_md_method_table_lists_every_method_with_its_writes_flag() -> None:
+    """docs/protocol.md section 6's table is derived by hand from ``METHODS``: each
+    method once, no other, and its "Writes" column as the spec says (``idem.reopen``
+    was once missing from it)."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    table = text.split("| Method | Writes | Summary |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("| `")]
+    listed = {cells[1].strip().strip("`"): cells[2].strip() for cells in rows}
+    assert len(listed) == len(rows), "a method is listed twice"
+    assert set(listed) == set(m.METHODS)
+    for name, spec in m.METHODS.items():
+        assert listed[name] == ("yes" if spec.writes else "no"), name
