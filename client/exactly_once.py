@@ -581,8 +581,13 @@ def shell_run(args: argparse.Namespace) -> int:
             )
         return status
 
+    # With a probe, CMD dies with towerctl (SIGKILL, Linux): the daemon probes a key once
+    # its holder, this towerctl, is gone, and a probe that looked while CMD still ran
+    # could say "not done" and let a retry run CMD beside it.
+    killed_with_towerctl = signal.SIGKILL if getattr(args, "probe", None) else None
     try:
-        child = Child(argv, capture=True, stdout_fd=2 if args.json else 1)
+        child = Child(argv, capture=True, stdout_fd=2 if args.json else 1,
+                      die_with_parent=killed_with_towerctl)  # fmt: skip
     except OSError as exc:
         conn.call("idem_release", operation, key, policy=PATIENT)
         return not_started(args, argv, exc, "the key is released")

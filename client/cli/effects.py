@@ -63,7 +63,8 @@ def command_after_dashes(what: str) -> Arg:
             help="a shell command that tells whether CMD happened, stored with the key: if "
             "the outcome is lost (towerctl killed), the daemon runs it (sh -c, in this "
             "directory): exit 0 = it happened (the key completes), 1 = it did not (the key "
-            "is released: the next run runs CMD), else cannot tell (tried again later)",
+            "is released: the next run runs CMD), else cannot tell (tried again later); "
+            "CMD then dies with towerctl, so it is never probed while it runs",
         ),
         command_after_dashes("to run once"),
     ],

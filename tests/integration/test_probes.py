@@ -243,6 +243,43 @@ def test_a_run_probe_settles_an_unknown_key_by_its_exit_status(daemon, short_tmp
     assert replay.returncode == 0 and "already ran" in replay.stderr
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_run_probe_never_judges_a_command_that_outlived_its_towerctl(daemon, short_tmp):
+    """Only towerctl is killed (not its process group, as a hook runner's timeout does):
+    CMD must die with it. The daemon probes the key once towerctl is gone; a probe that
+    looked while CMD still ran would say "not done", release the key, and a retry would
+    run CMD beside the first one, which then did its effect too (a tester's reproducer:
+    the effect ran twice). Fails without CMD dying with towerctl."""
+    runs, pid_file, gate = short_tmp / "runs", short_tmp / "cmd.pid", short_tmp / "gate"
+    # The effect (a line in `runs`) waits for `gate`: the first CMD holds there.
+    cmd = ["sh", "-c", f"echo $$ > {pid_file}; while [ ! -e {gate} ]; do sleep 0.01; done; "
+           f"echo ran >> {runs}"]  # fmt: skip
+    argv = [TOWERCTL, "--socket", str(daemon.socket_path), "run", "--key", "push",
+            "--probe", f"[ -e {runs} ] && grep -q ran {runs}", "--", *cmd]  # fmt: skip
+    proc = spawn(argv, short_tmp)
+    first = int(wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(),
+                         what="CMD to start"))  # fmt: skip
+    os.kill(proc.pid, signal.SIGKILL)  # towerctl alone
+    proc.wait(10)
+    with daemon.client() as client:
+        wait_for(lambda: client.idem_get("shell", "push")["state"] == "outcome_unknown",
+                 what="the key to turn outcome_unknown")  # fmt: skip
+    wait_for(lambda: not alive(first), what="the first CMD to be gone")
+    outcome = settle(daemon)["push"]
+    assert (outcome["verdict"], outcome["status"]) == ("aborted", "gone")
+    gate.touch()
+    retry = subprocess.run(argv, cwd=short_tmp, capture_output=True, text=True, timeout=60)
+    assert retry.returncode == 0, retry.stderr
+    assert runs.read_text().splitlines() == ["ran"]
+
+
 @pytest.mark.parametrize(
     ("argv", "parsed"),
     [
