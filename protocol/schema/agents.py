@@ -26,6 +26,23 @@ PathLeaseTtl = Annotated[int, Meta(ge=5_000, le=7 * 24 * 3600 * 1000)]
 DEFAULT_PATH_LEASE_TTL_MS = 30 * 60 * 1000  # idle time after the last edit of a path
 
 
+def _require_real_paths(field: str, paths: list[str]) -> None:
+    """A path lease is matched by name (``path:<path>`` and the names above it), so a
+    leased path must be the one name a real path has: ``/a/b/`` or ``/a/../a/b`` would
+    be a lease that covers nothing. The clients send ``realpath``'s answer; anything
+    else is refused rather than guessed at (the daemon cannot resolve a caller's
+    symbolic links)."""
+    for path in paths:
+        if path == "/":
+            continue
+        if "\0" in path or any(part in ("", ".", "..") for part in path.split("/")[1:]):
+            raise ValueError(
+                f"`{field}` holds {path[:200]!r}, which is not a real path: give it absolute, "
+                "without '.' or '..' components, '//', a trailing '/' or NUL (as realpath "
+                "prints it)"
+            )
+
+
 class HookEventParams(Struct):
     """One agent hook event. The daemon files it as ``event.record`` does; a session it
     does not know is registered (from ``cwd``, ``transcript_path``, ``model``), the
@@ -47,6 +64,7 @@ class HookEventParams(Struct):
 
     def __post_init__(self) -> None:
         _require_shallow("payload", self.payload)
+        _require_real_paths("paths", self.paths)
 
 
 class PathHolder(Struct):
@@ -87,6 +105,9 @@ class PathClaimParams(Struct):
     agent_pid: Pid | None = None
     ttl_ms: PathLeaseTtl | None = None  # default: the daemon's --path-lease-ttl
 
+    def __post_init__(self) -> None:
+        _require_real_paths("paths", self.paths)
+
 
 class PathLease(Struct):
     path: str
@@ -107,6 +128,9 @@ class PathReleaseParams(Struct):
     paths: Annotated[list[AbsolutePath], Meta(min_length=1, max_length=MAX_PATHS)]
     session_id: SessionId | None = None
     agent_pid: Pid | None = None
+
+    def __post_init__(self) -> None:
+        _require_real_paths("paths", self.paths)
 
 
 class PathReleaseResult(Struct):

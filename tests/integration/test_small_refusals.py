@@ -1,5 +1,6 @@
 """Small holes a hostile or careless client found, each closed with a typed refusal:
-unbounded id lists in event.list, and a holder_pid that would pin a key for good."""
+unbounded id lists in event.list, a holder_pid that would pin a key for good, and a
+path lease on a name that is not a real path."""
 
 from __future__ import annotations
 
@@ -29,6 +30,22 @@ def test_event_list_with_260000_ids_is_bad_args_and_duplicates_are_folded(daemon
         assert [event["kind"] for event in page["events"]] == ["Stop"]
         with pytest.raises(BadArgs):
             client.session_activity(session_ids=[client.status()["daemon_id"]] * 1001)
+        assert client.ping()["pong"]
+
+
+def test_a_path_claim_that_is_not_a_real_path_is_bad_args_and_leases_nothing(daemon):
+    """``/w/src/`` or ``/w/src/../src`` through the Python client (towerctl claim
+    resolves paths first) used to be granted as a lease that covered nothing: another
+    session's edit below it was allowed. Now refused, and nothing is leased."""
+    with daemon.client() as client:
+        session = client.session_register(cwd="/w", agent="claude")["session_id"]
+        for path in ("/w/src/", "/w/src/../src", "/w//src"):
+            with pytest.raises(BadArgs) as refused:
+                client.path_claim([path], session_id=session)
+            assert "not a real path" in refused.value.message
+        assert client.lease_list()["leases"] == []
+        claimed = client.path_claim(["/w/src"], session_id=session)
+        assert [lease["path"] for lease in claimed["leases"]] == ["/w/src"]
         assert client.ping()["pong"]
 
 

@@ -316,6 +316,25 @@ def test_project_roots_must_be_absolute_paths_without_nul(method: str, params: d
         decode_params(method, params)
 
 
+@pytest.mark.parametrize("method", ["path.claim", "path.release", "hook.event"])
+@pytest.mark.parametrize(
+    "path", ["/w/src/", "/w/src/../src", "/w//src", "/w/./src", "/w/src/.", "/w/a\0b"]
+)
+def test_a_leased_path_must_be_a_real_path(method: str, path: str) -> None:
+    """A path lease is matched by name: a trailing slash or a ``..`` once made a granted
+    lease that covered nothing (another agent's edit below it was allowed)."""
+    params: dict[str, Any] = {"paths": [path]}
+    if method == "hook.event":
+        params |= {"kind": "PreToolUse", "agent": "claude"}
+    with pytest.raises(msgspec.ValidationError, match="not a real path"):
+        decode_params(method, params)
+
+
+@pytest.mark.parametrize("path", ["/", "/w", "/w/src/a.py", "/w/.hidden", "/w/..x", "/w/a b"])
+def test_real_paths_are_accepted_for_a_lease(path: str) -> None:
+    assert decode_params("path.claim", {"paths": [path]}).paths == [path]
+
+
 def test_protocol_md_method_table_lists_every_method_with_its_writes_flag() -> None:
     """docs/protocol.md section 6's table is derived by hand from ``METHODS``: each
     method once, no other, and its "Writes" column as the spec says (``idem.reopen``
