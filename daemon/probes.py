@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,9 @@ DEFAULT_PROBE_TIMEOUT = 30.0
 MAX_SHOWN = 2000  # characters of a command's output kept as evidence
 CONCURRENT_PROBES = 4
 MIN_INTERVAL = 0.1  # seconds between passes at least, whatever --probe-interval says
+OUTPUT_GRACE = 0.5  # seconds the output is still read for once the command itself exited
+POLL_SLICE = 0.1  # seconds between looks at whether the command itself has exited
+REAP_TIMEOUT = 5.0  # seconds a command killed at the timeout is waited for, at most
 
 # Left out of a probe's environment: towerd's own supervisor plumbing.
 _SUPERVISOR_VARIABLES = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
@@ -66,7 +70,12 @@ class Ran:
 
 def run_command(argv: list[str], cwd: str | None, env: dict[str, str], timeout: float) -> Ran:
     """Run ``argv`` in a session of its own (so the whole group dies at the timeout),
-    stdin closed, output captured."""
+    stdin closed, output captured.
+
+    The command's own process decides: once it has exited, the output is read for at
+    most ``OUTPUT_GRACE`` more seconds, so a descendant that left the group still holding
+    the pipes (``setsid CMD &``, an ssh ControlPersist master) cannot hold a probe slot.
+    Returns within about ``timeout + OUTPUT_GRACE + REAP_TIMEOUT`` whatever happens."""
     try:
         proc = subprocess.Popen(
             argv,
@@ -79,20 +88,57 @@ def run_command(argv: list[str], cwd: str | None, env: dict[str, str], timeout: 
         )
     except OSError as exc:
         return Ran(None, "", "", f"cannot run {argv[0]}: {exc.strerror or exc}")
+    deadline = time.monotonic() + timeout
+    read_until: float | None = None  # set once the command's own process has exited
+    out = err = b""
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.communicate()
-        return Ran(None, "", "", f"timed out after {timeout:g} s")
+        while True:
+            limit = deadline if read_until is None else read_until
+            wait = min(POLL_SLICE, max(limit - time.monotonic(), 0.0))
+            try:
+                out, err = proc.communicate(timeout=wait)
+            except subprocess.TimeoutExpired as exc:
+                # The output read so far (communicate keeps it, and goes on from there).
+                out = exc.output if exc.output is not None else out
+                err = exc.stderr if exc.stderr is not None else err
+            else:
+                break
+            now = time.monotonic()
+            if proc.poll() is not None:
+                if read_until is None:
+                    read_until = now + OUTPUT_GRACE
+                elif now >= read_until:
+                    break  # a descendant holds the pipes: its output is not the verdict
+            elif now >= deadline:
+                _kill_group(proc)
+                return Ran(None, "", "", f"timed out after {timeout:g} s")
+    finally:
+        _close_pipes(proc)
     return Ran(
         proc.returncode,
         out.decode("utf-8", "replace")[:MAX_SHOWN],
         err.decode("utf-8", "replace")[:MAX_SHOWN],
     )
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the command's process group and reap the command, waiting a bounded time."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=REAP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        log.warning("probe_not_reaped", pid=proc.pid, after_s=REAP_TIMEOUT)
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    """Close our ends of the pipes without waiting for EOF: whoever still holds the other
+    end gets EPIPE, not a reader."""
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def git_env() -> dict[str, str]:
