@@ -65,7 +65,7 @@ T = TypeVar("T")
 log = structlog.get_logger("towerd.store")
 
 DB_FILE = "towerd.db"
-BACKUP_DIR = "backups"
+BACKUP_DIR = upkeep.STATE_BACKUP_DIR  # migration backups; a user backup may go there too
 BUSY_TIMEOUT_MS = DEFAULT_BUSY_TIMEOUT_MS  # what a connection waits for a lock (start-up, reads)
 SHARED_READ_S = 0.001  # the loop's point reads share one read transaction this long at most
 

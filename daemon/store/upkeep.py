@@ -70,6 +70,7 @@ def checkpoint(db_path: Path, min_wal_bytes: int) -> tuple[int, int] | None:
 
 
 BACKUP_DIR_PREFIX = ".towerd-backup-"  # the private directory a backup is made in
+STATE_BACKUP_DIR = "backups"  # in the state dir: migration backups (store.BACKUP_DIR), allowed
 
 
 def backup(db_path: Path, target: Path, overwrite: bool) -> BackupResult:
@@ -86,6 +87,7 @@ def backup(db_path: Path, target: Path, overwrite: bool) -> BackupResult:
     private: str | None = None
     try:
         directory = _target_directory(target)
+        _refuse_state_directory(directory, db_path, target)
         final = directory / target.name
         _refuse_existing_target(final, target, overwrite)
         private = tempfile.mkdtemp(prefix=BACKUP_DIR_PREFIX, dir=directory)
@@ -119,6 +121,20 @@ def _target_directory(target: Path) -> Path:
     # ...and what we create in it (the private directory, then the backup), ours:
     _refuse_swappable(directory, directory / BACKUP_DIR_PREFIX, os.geteuid())
     return directory
+
+
+def _refuse_state_directory(directory: Path, db_path: Path, target: Path) -> None:
+    """Refuse a backup into the database's own directory, by whatever path it is reached
+    (a symlinked parent, a bind mount): its rename could replace the live database or
+    its ``-wal``, and the daemon then stops on a store that is no longer its own."""
+    state_dir = Path(os.path.realpath(db_path.parent))
+    here, state = os.stat(directory), os.stat(state_dir)
+    if (here.st_dev, here.st_ino) == (state.st_dev, state.st_ino):
+        raise BadArgs(
+            f"backup refused: {target.parent} is towerd's state directory, and a backup "
+            f"there could replace the live database; choose another directory, e.g. "
+            f"{state_dir / STATE_BACKUP_DIR}"
+        )
 
 
 def _refuse_swappable(holder: Path, entry: Path, entry_uid: int) -> None:

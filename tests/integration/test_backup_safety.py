@@ -1,7 +1,9 @@
 """``backup`` into a directory other users can reach: nothing another local user
 pre-creates there is ever opened, so they get no byte of the database and cannot
 redirect the copy; a directory where they could swap files, and a target that is a
-symlink or someone else's file, are refused with nothing written.
+symlink or someone else's file, are refused with nothing written. A backup into
+towerd's own state directory, by any path to it, is refused too: it could replace the
+live database or its WAL.
 
 The other user is real: ``nobody``, through setpriv. The database holds a marker (a
 session's name) that is searched for in every file the attacker can read.
@@ -21,7 +23,7 @@ import pytest
 
 from towerd_testing import towerctl
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="another uid needs root")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="another uid needs root")
 
 NOBODY = 65534
 SQLITE_SIDE_SUFFIXES = ("-journal", "-wal", "-shm")
@@ -104,6 +106,7 @@ def assert_private_checked_copy(target: Path, marker: bytes) -> None:
         copy.close()
 
 
+@needs_root
 def test_backup_in_a_sticky_shared_directory_ignores_every_planted_name(daemon, short_tmp):
     """In a 1777 directory where nobody pre-created the partial file (as a 0666 file for
     one target, as a symlink to its own file for the other) and every SQLite side file
@@ -132,6 +135,7 @@ def test_backup_in_a_sticky_shared_directory_ignores_every_planted_name(daemon, 
     assert not left_behind, f"left behind: {left_behind}"
 
 
+@needs_root
 @pytest.mark.parametrize("danger", ["world-writable, not sticky", "owned by another user"])
 def test_backup_into_a_directory_others_can_swap_is_refused(daemon, short_tmp, danger):
     """A 0777 directory without the sticky bit, or one that nobody owns: bad_args saying
@@ -150,6 +154,7 @@ def test_backup_into_a_directory_others_can_swap_is_refused(daemon, short_tmp, d
     assert list(directory.iterdir()) == []
 
 
+@needs_root
 @pytest.mark.parametrize(
     "target_kind", ["nobody's symlink", "nobody's file", "our own symlink", "a directory"]
 )
@@ -181,3 +186,72 @@ def test_backup_refuses_a_target_that_is_not_a_regular_file_of_ours(daemon, shor
         assert after[name][0].st_ino == info.st_ino and after[name][0].st_uid == info.st_uid
     if pointed_to.exists():
         assert pointed_to.read_bytes() == b""
+
+
+def state_files(daemon) -> dict[str, int]:
+    """The state dir's entries and their inodes."""
+    return {path.name: path.lstat().st_ino for path in daemon.state_dir.iterdir()}
+
+
+@pytest.fixture
+def bind_mounted(short_tmp):
+    """Mounts a directory at a second path (``bind(directory)`` -> the new path); all
+    are unmounted at the end."""
+    mounted: list[Path] = []
+
+    def bind(directory: Path) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("a bind mount needs root")
+        mountpoint = short_tmp / f"bound{len(mounted)}"
+        mountpoint.mkdir()
+        subprocess.run(["mount", "--bind", str(directory), str(mountpoint)], check=True)
+        mounted.append(mountpoint)
+        return mountpoint
+
+    yield bind
+    for mountpoint in reversed(mounted):
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+@pytest.mark.parametrize("name", ["towerd.db-wal", "towerd.db"])
+@pytest.mark.parametrize("via", ["the state dir", "a symlinked parent", "a bind mount"])
+def test_backup_into_the_state_directory_is_refused(daemon, short_tmp, bind_mounted, name, via):
+    """``backup STATE/towerd.db-wal --overwrite`` (or the database itself), also through
+    a symlink to the state dir or a bind mount of it, once replaced the live file and the
+    daemon stopped (exit 78): now bad_args saying why, nothing created or replaced, and
+    the daemon still answers and writes."""
+    marker = store_marker(daemon)
+    if via == "the state dir":
+        directory = daemon.state_dir
+    elif via == "a symlinked parent":
+        directory = short_tmp / "state-link"
+        directory.symlink_to(daemon.state_dir)
+    else:
+        directory = bind_mounted(daemon.state_dir)
+    before = state_files(daemon)
+    assert {"towerd.db", "towerd.db-wal"} <= before.keys()
+
+    answer = backup(daemon, directory / name, "--overwrite")
+
+    assert answer["exit"] == 1
+    assert answer["error"]["code"] == "bad_args", answer
+    message = answer["error"]["message"]
+    assert "state directory" in message and "replace the live database" in message, message
+    assert state_files(daemon) == before, "an entry of the state dir was created or replaced"
+    assert towerctl(daemon, "ping").returncode == 0
+    with daemon.client() as client:
+        client.session_register(cwd="/r", agent="a", name="after")
+        names = {row["name"] for row in client.iter_fleet()}
+    assert {marker.decode(), "after"} <= names
+    assert daemon.proc is not None and daemon.proc.poll() is None
+
+
+def test_backup_into_the_state_dirs_backups_directory_is_allowed(daemon):
+    """The refusal is of the state dir itself: its ``backups`` subdirectory, where the
+    refusal suggests to go, still takes a backup."""
+    marker = store_marker(daemon)
+    backups = daemon.state_dir / "backups"
+    backups.mkdir(mode=0o700, exist_ok=True)
+    answer = backup(daemon, backups / "copy.db")
+    assert answer["exit"] == 0 and answer["integrity"] == ["ok"], answer
+    assert_private_checked_copy(backups / "copy.db", marker)
