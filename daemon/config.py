@@ -81,8 +81,9 @@ class DaemonConfig:
     )  # fmt: skip
     new_store: bool = option(
         False, "--new-store", "start an empty store although the state dir shows a previous "
-        "one was lost (its database is missing or was replaced): every key it held is "
-        "forgotten", action="store_true",
+        "one was lost (its database is missing or was replaced), or run on an older copy "
+        "of it (a backup put back): every key it no longer holds is forgotten",
+        action="store_true",
     )  # fmt: skip
     max_frame: int = option(
         DEFAULT_MAX_FRAME, "--max-frame", "the largest request, and the page size (1 MiB)",

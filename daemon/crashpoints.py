@@ -18,6 +18,8 @@ POINTS = frozenset(
         "batch.after_commit",  # committed, no caller answered yet
         "reconcile.before_commit",  # start-up reconciliation done, not committed
         "migrate.before_commit",  # a migration step ran, not committed
+        "generation.both_accepted",  # a new generation recorded beside the old one only
+        "generation.in_database",  # the database took it, the record still has both
     }
 )
 

@@ -382,9 +382,13 @@ class Handlers:
         return self.store.read_now(snapshot.take, topics, self.store.config.page_bytes)
 
     async def backup(self, caller: Caller, params: m.BackupParams) -> m.BackupResult:
-        return await self.store.on_own_connection(
+        """The copy, then a new generation for the store: restored later over a newer
+        database, the copy is refused at start (daemon/store/identity.py)."""
+        result = await self.store.on_own_connection(
             upkeep.backup, Path(params.path), params.overwrite
         )
+        await self.store.new_generation()
+        return result
 
     async def effect_settle(
         self, caller: Caller, params: m.EffectSettleParams

@@ -42,12 +42,16 @@ def read_record(state_dir: Path) -> str | None:
 
 
 def write_record(state_dir: Path, daemon_id: str) -> None:
-    """Atomically (temporary file, fsync, rename, fsync of the directory)."""
-    path = record_path(state_dir)
-    temporary = path.with_name(f".{RECORD_FILE}.{os.getpid()}")
+    _write_atomically(state_dir, RECORD_FILE, f"{daemon_id}\n")
+
+
+def _write_atomically(state_dir: Path, name: str, text: str) -> None:
+    """Temporary file, fsync, rename, fsync of the directory."""
+    path = state_dir / name
+    temporary = path.with_name(f".{name}.{os.getpid()}")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, f"{daemon_id}\n".encode())
+        os.write(fd, text.encode())
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -57,6 +61,64 @@ def write_record(state_dir: Path, daemon_id: str) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+# --- generations: a database rolled back (restored from a backup) is noticed ---------------
+#
+# The daemon id says whose database a file is, not how recent it is: a backup restored
+# over towerd.db has the right id and forgets every key completed after it was taken, so
+# those steps would run again. So the database and the state dir also share a
+# *generation*, a random token replaced at every start (in the start-up transaction)
+# and after every backup (store.py: the record accepts the old and the new token, the
+# database takes the new one, then the record accepts only it). A database whose
+# generation the state dir does not accept is older than the one the daemon last ran:
+# refused unless ``--new-store``. A crash in the middle of a rotation refuses nothing.
+
+GENERATION_FILE = "generation"
+NO_GENERATION = "none"  # accepted while the database has none yet (first rotation)
+
+
+def read_generations(state_dir: Path) -> list[str] | None:
+    """The generations the state dir accepts, or None (no record: nothing is checked)."""
+    path = state_dir / GENERATION_FILE
+    check_private(path, "generation record", want_dir=False)
+    try:
+        tokens = path.read_text().split()
+    except FileNotFoundError:
+        return None
+    return tokens or None
+
+
+def refuse_rolled_back_store(
+    state_dir: Path, db_path: Path, stored: str | None, new_store: bool
+) -> None:
+    """Before anything is written: refuse a database older than the one this state dir
+    last ran (its generation is not one the record accepts)."""
+    accepted = read_generations(state_dir)
+    if accepted is None or (stored or NO_GENERATION) in accepted:
+        return
+    if new_store:
+        log.warning("new_store", code="refused", reason="rolled_back", db_path=str(db_path))
+        return
+    raise StartRefused(
+        f"the state database {db_path} is older than the one this daemon last ran (its "
+        f"generation {stored or NO_GENERATION} is not the recorded {accepted[-1]}): it was "
+        "restored from a backup or copied back. Keys completed since that copy are not "
+        "in it, so their steps would run again, and fencing tokens issued since may be "
+        "issued again. Put the newer database back, or, once every step that ran since "
+        "is accounted for and no lease holder runs, "
+        f"{NEW_STORE_HINT.replace('to begin an empty store', 'to run on this database')}"
+    )
+
+
+def rotation(token: str, current: str | None) -> tuple[str, str]:
+    """The two records of a rotation to ``token``: the one written before the database
+    takes it (both accepted) and the one after."""
+    return f"{current or NO_GENERATION} {token}\n", f"{token}\n"
+
+
+def write_generations(state_dir: Path, text: str) -> None:
+    _write_atomically(state_dir, GENERATION_FILE, text)
 
 
 def signs_of_a_previous_store(state_dir: Path, db_path: Path, backup_dir: Path) -> list[str]:

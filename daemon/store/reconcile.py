@@ -128,6 +128,15 @@ def mint_or_load_daemon_id(conn: sqlite3.Connection) -> str:
     return daemon_id
 
 
+def set_generation(conn: Any, token: str) -> None:
+    """The database's generation (daemon/store/identity.py), in ``meta``."""
+    conn.execute(
+        "INSERT INTO meta (key, value) VALUES ('generation', ?) "
+        "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        (token,),
+    )
+
+
 def start_daemon(
     conn: sqlite3.Connection,
     *,
@@ -138,12 +147,17 @@ def start_daemon(
     completed_ttl_ms: int,
     clock_anchor: Anchor | None = None,
     one_box: bool = True,
+    generation: str | None = None,
 ) -> tuple[Tx, ReconcileReport]:
-    """The start-up transaction. Returns the daemon's write context and what it did."""
+    """The start-up transaction. Returns the daemon's write context and what it did.
+    ``generation``: the database's new one (daemon/store/identity.py), in the same
+    commit as the new epoch."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         if clock_anchor is not None:
             clock_record.save_anchor(conn, clock_anchor, now)
+        if generation is not None:
+            set_generation(conn, generation)
         daemon_id = daemon_id or mint_or_load_daemon_id(conn)
         epoch = conn.execute(
             """INSERT INTO daemons (daemon_id, owner_epoch, pid, host, started_at)

@@ -45,7 +45,7 @@ from towerd.daemon.private_paths import StartRefused, check_private, ensure_priv
 from towerd.daemon.store import clock as clock_record
 from towerd.daemon.store import identity, schema, upkeep
 from towerd.daemon.store.config import DEFAULT_BUSY_TIMEOUT_MS, StoreConfig
-from towerd.daemon.store.reconcile import start_daemon
+from towerd.daemon.store.reconcile import set_generation, start_daemon
 from towerd.daemon.store.tx import (
     SQLITE_BUSY,
     SQLITE_FULL,
@@ -57,7 +57,7 @@ from towerd.daemon.store.tx import (
     translate_sqlite_error,
     use_clock,
 )
-from towerd.protocol.errors import StaleEpoch, Unavailable
+from towerd.protocol.errors import StaleEpoch, TowerdError, Unavailable
 from towerd.protocol.methods import DoctorResult, ReconcileReport
 
 T = TypeVar("T")
@@ -182,6 +182,9 @@ class Store:
         self._files = self._watch_files()
         self.lost = anyio.Event()
         self.lost_reason: str | None = None
+        # This database's generation (daemon/store/identity.py); None: not tracked here
+        # (PostgreSQL, or a test opening the store as another daemon).
+        self.generation: str | None = None
 
     def _open_inline(self) -> Any:
         return _open_inline_reader(self.db_path)
@@ -291,6 +294,18 @@ class Store:
             return await self._reader.run(run)
         except self.DB_ERRORS as exc:
             raise _as_wire_error(exc) from exc
+
+    async def new_generation(self) -> None:
+        """After a backup: a new generation, so that backup, put back over the database
+        later, is known to be older than the store it was taken from. A failure is
+        logged, not raised: the backup itself is good, only that check is lost for it."""
+        if self.generation is None:
+            return
+        try:
+            self.generation = await _rotate_generation(self.config.state_dir, self.generation, self)
+        except (OSError, TowerdError) as exc:  # a write refused (full disk, shutting down)
+            log.error("generation_not_rotated", code="internal", error=str(exc),
+                      state_dir=str(self.config.state_dir))  # fmt: skip
 
     async def doctor(self, full: bool) -> DoctorResult:
         """`towerctl doctor`'s look at the database: the file, checked on its own connection."""
@@ -754,28 +769,58 @@ def _create_private_file(path: Path) -> None:
     os.close(fd)
 
 
-def preflight(db_path: Path) -> tuple[int, str | None]:
+def preflight(db_path: Path) -> tuple[int, str | None, str | None]:
     """The checks before anything is written, on a read-only connection: header (not
-    ours, newer), integrity, shape. Returns the schema version and the daemon id stored
-    in the file. A refused file stays byte for byte as it was, its WAL included: a
-    read-write connection would checkpoint the WAL into it when closed."""
+    ours, newer), integrity, shape. Returns the schema version, and the daemon id and
+    generation (daemon/store/identity.py) stored in the file. A refused file stays byte
+    for byte as it was, its WAL included: a read-write connection would checkpoint the
+    WAL into it when closed."""
     conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, isolation_level=None)
     try:
         version = schema.check_header(conn, db_path)
         if version == 0:
-            return 0, None
+            return 0, None, None
         schema.check_integrity(conn, db_path)
         schema.check_shape(conn, db_path, version)
-        row = conn.execute("SELECT value FROM meta WHERE key = 'daemon_id'").fetchone()
-        return version, None if row is None else row[0]
+        stored = dict(conn.execute(
+            "SELECT key, value FROM meta WHERE key IN ('daemon_id', 'generation')"
+        ).fetchall())  # fmt: skip
+        return version, stored.get("daemon_id"), stored.get("generation")
     except sqlite3.Error as exc:
         raise StartRefused(f"{db_path}: cannot read the database to check it: {exc}") from None
     finally:
         conn.close()
 
 
+async def _record_only(state_dir: Path, record: str) -> None:
+    """The record's last step of a start's rotation: the database already has the new
+    generation and the record accepts both, so a failure here (a full disk) is logged
+    and the daemon serves; the old generation stays accepted until the next one."""
+    try:
+        await anyio.to_thread.run_sync(identity.write_generations, state_dir, record)
+    except OSError as exc:
+        log.warning("generation_record_kept_both", code="storage_full" if exc.errno ==
+                    errno.ENOSPC else "internal", error=str(exc))  # fmt: skip
+
+
+async def _rotate_generation(state_dir: Path, current: str | None, store: Store) -> str:
+    """After a backup: a new generation (daemon/store/identity.py). The record accepts the
+    current one and the new one, a write batch gives the database the new one, then the
+    record accepts only the new one. Returns it."""
+    token = os.urandom(16).hex()
+    both, only_new = identity.rotation(token, current)
+    await anyio.to_thread.run_sync(identity.write_generations, state_dir, both)
+    await store.write(lambda tx: set_generation(tx.conn, token))
+    await anyio.to_thread.run_sync(identity.write_generations, state_dir, only_new)
+    return token
+
+
 def _open_writer(
-    conn: sqlite3.Connection, config: StoreConfig, db_path: Path, version: int
+    conn: sqlite3.Connection,
+    config: StoreConfig,
+    db_path: Path,
+    version: int,
+    generation: str | None,
 ) -> tuple[Tx, ReconcileReport]:
     """Pragmas, migrations from ``version`` (checked by :func:`preflight`), the shape
     again, and the start-up transaction."""
@@ -797,6 +842,7 @@ def _open_writer(
         now=clock.now_ms(),
         completed_ttl_ms=config.completed_ttl_ms,
         clock_anchor=clock.anchor,
+        generation=generation,
     )
 
 
@@ -866,19 +912,31 @@ async def open_store(config: StoreConfig) -> AsyncIterator[Store]:
         identity.refuse_lost_store(state_dir, db_path, state_dir / BACKUP_DIR, config.new_store)
     with _full_disk_refused(state_dir):
         _create_private_file(db_path)
-        version, stored_id = await anyio.to_thread.run_sync(preflight, db_path)
+        version, stored_id, generation = await anyio.to_thread.run_sync(preflight, db_path)
     if own_identity:
         identity.refuse_foreign_store(state_dir, stored_id, config.new_store)
+        identity.refuse_rolled_back_store(state_dir, db_path, generation, config.new_store)
+    # This start's generation (daemon/store/identity.py): recorded beside the database's
+    # before the start-up transaction gives it to the database, alone after.
+    token = os.urandom(16).hex() if own_identity else None
     writer = await _DbThread.open(db_path)
     try:
         with _full_disk_refused(state_dir):
-            started, report = await writer.run(_open_writer, config, db_path, version)
+            if token is not None:
+                both, only_new = identity.rotation(token, generation)
+                await anyio.to_thread.run_sync(identity.write_generations, state_dir, both)
+                crash_point("generation.both_accepted")
+            started, report = await writer.run(_open_writer, config, db_path, version, token)
             if own_identity:
                 await anyio.to_thread.run_sync(identity.keep_record, state_dir, started.daemon_id)
+        if token is not None:
+            crash_point("generation.in_database")
+            await _record_only(state_dir, only_new)
         reader = await _DbThread.open(db_path)
         try:
             await reader.run(_open_reader)
             store = Store(config, writer, reader, started, report, db_path)
+            store.generation = token
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(store._write_batches)
                 try:

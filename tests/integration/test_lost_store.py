@@ -133,3 +133,77 @@ def test_an_upgraded_state_dir_gets_its_record(daemon):
         (stored,) = db.execute("SELECT value FROM meta WHERE key = 'daemon_id'").fetchone()
     assert stored == daemon_id
     assert os.stat(daemon.state_dir / "daemon_id").st_mode & 0o077 == 0
+
+
+# --- a database rolled back: restored from a backup, or a copy put back --------------------
+
+
+def _refused_as_older(daemon) -> None:
+    before = (daemon.state_dir / "towerd.db").read_bytes()
+    assert daemon.spawn().wait(20) == EXIT_REFUSED
+    log = daemon.log()
+    assert "older than the one this daemon last ran" in log and "--new-store" in log, log
+    assert (daemon.state_dir / "towerd.db").read_bytes() == before, "the refused file changed"
+
+
+def _put_back(daemon, copy) -> None:
+    for name in DB_FILES:
+        (daemon.state_dir / name).unlink(missing_ok=True)
+    shutil.copy2(copy, daemon.state_dir / "towerd.db")
+
+
+def test_a_backup_restored_over_a_newer_database_is_refused(daemon, short_tmp):
+    """`towerctl backup`, a key completed after it, the backup copied back over the
+    database: the daemon id is right, yet the key completed since is not in it (its
+    step would run again). The start is refused (exit 78), the file untouched;
+    --new-store runs on it knowingly, and the later key is then indeed unknown."""
+    from towerd.client import IdempotencyKeyUnknown
+    from towerd_testing import towerctl
+
+    _complete(daemon, "before")
+    copy = short_tmp / "copy.db"
+    towerctl(daemon, "backup", str(copy), check=True)
+    _complete(daemon, "after")
+    assert daemon.stop() == 0
+    _put_back(daemon, copy)
+    _refused_as_older(daemon)
+    daemon.start("--new-store")
+    with daemon.client() as client:
+        assert client.idem_get("push", "before")["state"] == "completed"
+        with pytest.raises(IdempotencyKeyUnknown):
+            client.idem_get("push", "after")
+    assert daemon.stop() == 0
+    daemon.start()  # adopted: an ordinary start from now on
+    assert daemon.stop() == 0
+
+
+def test_a_copy_taken_while_stopped_is_refused_after_a_later_start(daemon, short_tmp):
+    """A plain copy of the stopped daemon's files (no towerctl backup) put back after the
+    daemon ran again: every start begins a new generation, so it is older."""
+    _complete(daemon, "before")
+    assert daemon.stop() == 0
+    copy = short_tmp / "stopped.db"
+    shutil.copy2(daemon.state_dir / "towerd.db", copy)
+    assert not (daemon.state_dir / "towerd.db-wal").exists() or (
+        daemon.state_dir / "towerd.db-wal").stat().st_size == 0  # fmt: skip
+    daemon.start()
+    _complete(daemon, "after")
+    assert daemon.stop() == 0
+    _put_back(daemon, copy)
+    _refused_as_older(daemon)
+
+
+@pytest.mark.parametrize("point", ["generation.both_accepted", "generation.in_database"])
+def test_a_start_killed_while_it_records_a_new_generation_starts_again(daemon, point):
+    """SIGKILL between the steps of a generation change (the record holding both, the
+    database taking the new one): the next start is not taken for a restored copy."""
+    _complete(daemon, "before")
+    assert daemon.stop() == 0
+    proc = daemon.spawn(env=daemon.env(TOWERD_CRASH_AT=point))
+    assert proc.wait(20) == -9
+    daemon.start()
+    with daemon.client() as client:
+        assert client.idem_get("push", "before")["state"] == "completed"
+    assert daemon.stop() == 0
+    daemon.start()
+    assert daemon.stop() == 0
