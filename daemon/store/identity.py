@@ -48,7 +48,8 @@ def write_record(state_dir: Path, daemon_id: str) -> None:
 def _write_atomically(state_dir: Path, name: str, text: str) -> None:
     """Temporary file, fsync, rename, fsync of the directory."""
     path = state_dir / name
-    temporary = path.with_name(f".{name}.{os.getpid()}")
+    # Unique per writer: two threads of one daemon may write the same record at once.
+    temporary = path.with_name(f".{name}.{os.getpid()}.{os.urandom(4).hex()}")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, text.encode())

@@ -185,6 +185,7 @@ class Store:
         # This database's generation (daemon/store/identity.py); None: not tracked here
         # (PostgreSQL, or a test opening the store as another daemon).
         self.generation: str | None = None
+        self._rotating = anyio.Lock()
 
     def _open_inline(self) -> Any:
         return _open_inline_reader(self.db_path)
@@ -302,7 +303,10 @@ class Store:
         if self.generation is None:
             return
         try:
-            self.generation = await _rotate_generation(self.config.state_dir, self.generation, self)
+            async with self._rotating:  # one rotation at a time: each starts from the last
+                self.generation = await _rotate_generation(
+                    self.config.state_dir, self.generation, self
+                )
         except (OSError, TowerdError) as exc:  # a write refused (full disk, shutting down)
             log.error("generation_not_rotated", code="internal", error=str(exc),
                       state_dir=str(self.config.state_dir))  # fmt: skip

@@ -207,3 +207,36 @@ def test_a_start_killed_while_it_records_a_new_generation_starts_again(daemon, p
     assert daemon.stop() == 0
     daemon.start()
     assert daemon.stop() == 0
+
+
+def test_concurrent_backups_never_leave_a_database_the_next_start_refuses(daemon, short_tmp):
+    """Each backup starts a new generation; two at once used to interleave their steps
+    (and share a temporary file name), leaving a record that did not accept the
+    database's own generation: the next ordinary start was refused (a tester's
+    reproducer, within a few dozen rounds of two backups)."""
+    import subprocess
+
+    from towerd_testing import TOWERCTL
+
+    _complete(daemon, "before")
+    for round_ in range(30):
+        backups = [
+            subprocess.Popen(
+                [
+                    TOWERCTL,
+                    "--socket",
+                    str(daemon.socket_path),
+                    "backup",
+                    str(short_tmp / f"b{round_}-{i}.db"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )  # fmt: skip
+            for i in range(4)
+        ]
+        assert [backup.wait(60) for backup in backups] == [0] * 4
+    assert "generation_not_rotated" not in daemon.log()
+    assert daemon.stop() == 0
+    daemon.start()
+    with daemon.client() as client:
+        assert client.idem_get("push", "before")["state"] == "completed"
