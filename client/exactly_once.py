@@ -503,6 +503,14 @@ def _claim_run(
     conn: RetryingConnection, args: argparse.Namespace, operation: str, key: str, argv: list[str]
 ) -> dict[str, Any] | int:
     """The claim of ``towerctl run``: its answer, or the exit status to leave with."""
+    # a repeated claim after a lost answer is ours (secrets.token_hex, unimported)
+    attempt = os.urandom(16).hex()
+    if getattr(args, "probe", None):
+        from towerd.protocol.naming import RUN_ATTEMPT_VARIABLE  # re: only with a probe
+
+        # CMD and all it starts inherit it: the daemon does not probe the key while any
+        # of them still runs (towerctl killed, CMD not), daemon/probes.py.
+        os.environ[RUN_ATTEMPT_VARIABLE] = attempt
     try:
         return conn.call(
             "idem_claim",
@@ -510,8 +518,7 @@ def _claim_run(
             key,
             payload=command_payload(argv),
             holder_pid=os.getpid(),
-            # a repeated claim after a lost answer is ours (secrets.token_hex, unimported)
-            attempt=os.urandom(16).hex(),
+            attempt=attempt,
             probe=getattr(args, "probe", None),
             probe_cwd=os.getcwd() if getattr(args, "probe", None) else None,
         )
@@ -581,13 +588,8 @@ def shell_run(args: argparse.Namespace) -> int:
             )
         return status
 
-    # With a probe, CMD dies with towerctl (SIGKILL, Linux): the daemon probes a key once
-    # its holder, this towerctl, is gone, and a probe that looked while CMD still ran
-    # could say "not done" and let a retry run CMD beside it.
-    killed_with_towerctl = signal.SIGKILL if getattr(args, "probe", None) else None
     try:
-        child = Child(argv, capture=True, stdout_fd=2 if args.json else 1,
-                      die_with_parent=killed_with_towerctl)  # fmt: skip
+        child = Child(argv, capture=True, stdout_fd=2 if args.json else 1)
     except OSError as exc:
         conn.call("idem_release", operation, key, policy=PATIENT)
         return not_started(args, argv, exc, "the key is released")

@@ -13,7 +13,8 @@ leaves it unknown.
 
 "Did not happen" is only ever concluded from positive evidence of absence (a remote
 that answered without the ref, a probe that said 1), never from an error or a
-timeout. Nothing whose holder still runs is probed.
+timeout. Nothing whose holder still runs is probed, nor a key while the command
+``towerctl run`` started for it (or anything that command started) still runs.
 
 The probes run at start-up (once the daemon is serving: the network never holds up
 READY), every ``--probe-interval`` seconds for what is due, and on ``effect.settle``
@@ -37,10 +38,12 @@ from typing import Any
 import anyio
 import structlog
 
+from towerd.daemon import processes
 from towerd.daemon.maintenance import Upkeep
 from towerd.daemon.store import Store, effects, idempotency, reconcile
 from towerd.daemon.store.tx import DAEMON
 from towerd.protocol.methods import EffectSettleParams, GitPushTarget, ProbeOutcome
+from towerd.protocol.naming import RUN_ATTEMPT_VARIABLE
 
 log = structlog.get_logger("towerd.probes")
 
@@ -320,6 +323,17 @@ class Prober:
         return outcome
 
     async def _key(self, key: idempotency.KeyToProbe) -> ProbeOutcome:
+        if key.attempt is not None:
+            # towerctl (the holder) is gone, but the command it ran, or one that command
+            # started, may still be doing the effect: a probe now could say "not done"
+            # and let a retry run it beside them. Probed once none carries the attempt.
+            running = await anyio.to_thread.run_sync(
+                processes.carrying, RUN_ATTEMPT_VARIABLE, key.attempt, limiter=self._limiter
+            )
+            if running is not None:
+                return ProbeOutcome("holder_alive", "outcome_unknown",
+                                    {"command_running": running}, principal=key.principal,
+                                    operation=key.operation, key=key.key)  # fmt: skip
         verdict, evidence = await anyio.to_thread.run_sync(
             probe_command, key.probe, key.cwd, self.timeout, limiter=self._limiter
         )

@@ -94,6 +94,27 @@ def is_alive(holder: Holder) -> bool:
         return True
 
 
+def carrying(variable: str, value: str) -> int | None:
+    """A live process whose environment has ``variable=value`` (its pid), or None.
+
+    Why: a command towerctl ran outlives it when towerctl is killed, and so do the
+    commands it started (a script's own steps); the environment is what all of them
+    inherit. Only processes whose environment this daemon may read are seen (its own
+    user's, in its pid namespace); one that cleared its environment is not."""
+    needle = f"\0{variable}={value}\0".encode()
+    own = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == own:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as environ:
+                if needle in b"\0" + environ.read() + b"\0":
+                    return int(name)
+        except OSError:  # gone, a zombie's, or another user's
+            continue
+    return None
+
+
 MAX_LINEAGE = 4096  # ancestors walked at most (pid chains are short; this bounds a loop)
 
 

@@ -25,6 +25,11 @@ SHARED_KINDS = ("git-push", "pr-create", "tracker-issue", "webhook")
 # Written in a namespace the run already owns: never contended.
 LOCAL_KINDS = ("git-branch", "git-commit")
 
+# Set in the environment of a `towerctl run --probe` command (and so of everything it
+# starts) to the run's attempt token: the daemon never probes a key while a process
+# still carries it (daemon/probes.py).
+RUN_ATTEMPT_VARIABLE = "TOWERD_RUN_ATTEMPT"
+
 DEFAULT_PREFIX = "kxm/"
 BRANCH_FORMATS = ("run-suffix", "prefix-run")
 

@@ -64,7 +64,8 @@ def command_after_dashes(what: str) -> Arg:
             "the outcome is lost (towerctl killed), the daemon runs it (sh -c, in this "
             "directory): exit 0 = it happened (the key completes), 1 = it did not (the key "
             "is released: the next run runs CMD), else cannot tell (tried again later); "
-            "CMD then dies with towerctl, so it is never probed while it runs",
+            "never while CMD or what it started still runs (they carry "
+            "TOWERD_RUN_ATTEMPT in their environment)",
         ),
         command_after_dashes("to run once"),
     ],

@@ -597,6 +597,7 @@ class KeyToProbe:
     effect_ref: str
     probe: str
     cwd: str | None
+    attempt: str | None = None  # the claim's attempt token (towerctl run's command has it)
 
 
 def keys_to_probe(tx: Tx, due_only: bool) -> list[KeyToProbe]:
@@ -604,14 +605,14 @@ def keys_to_probe(tx: Tx, due_only: bool) -> list[KeyToProbe]:
     knows the outcome and may still complete it); ``due_only``: whose next probe is due."""
     rows = tx.conn.execute(
         """SELECT rowid, principal, operation, key, effect_ref, probe, probe_cwd, holder_pid,
-                  holder_start, daemon_id FROM idempotency
+                  holder_start, daemon_id, attempt FROM idempotency
            WHERE state = 'outcome_unknown' AND probe IS NOT NULL
            AND (? = 0 OR probe_next_at IS NULL OR probe_next_at <= ?) ORDER BY rowid""",
         (int(due_only), tx.now),
     ).fetchall()
     return [
-        KeyToProbe(rowid, principal, operation, key, ref, probe, cwd)
-        for rowid, principal, operation, key, ref, probe, cwd, pid, start, box in rows
+        KeyToProbe(rowid, principal, operation, key, ref, probe, cwd, attempt)
+        for rowid, principal, operation, key, ref, probe, cwd, pid, start, box, attempt in rows
         if (holder := holder_at(tx, pid, start, box)) is None or not is_alive(holder)
     ]
 

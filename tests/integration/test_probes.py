@@ -251,32 +251,42 @@ def alive(pid: int) -> bool:
     return True
 
 
-def test_a_run_probe_never_judges_a_command_that_outlived_its_towerctl(daemon, short_tmp):
+def test_a_run_probe_waits_for_the_command_and_what_it_started(daemon, short_tmp):
     """Only towerctl is killed (not its process group, as a hook runner's timeout does):
-    CMD must die with it. The daemon probes the key once towerctl is gone; a probe that
-    looked while CMD still ran would say "not done", release the key, and a retry would
-    run CMD beside the first one, which then did its effect too (a tester's reproducer:
-    the effect ran twice). Fails without CMD dying with towerctl."""
-    runs, pid_file, gate = short_tmp / "runs", short_tmp / "cmd.pid", short_tmp / "gate"
-    # The effect (a line in `runs`) waits for `gate`: the first CMD holds there.
-    cmd = ["sh", "-c", f"echo $$ > {pid_file}; while [ ! -e {gate} ]; do sleep 0.01; done; "
-           f"echo ran >> {runs}"]  # fmt: skip
+    the command goes on, and the effect is done by a process the command started (a
+    script's own step). The key turns outcome_unknown, yet no probe runs while any of
+    them runs: it would say "not done", release the key, and a retry would run the
+    command beside them (a tester's reproducer ran the effect twice; killing the
+    command with towerctl was not enough, its child did the effect). Once they are
+    done, the probe says it happened and a retry replays: the effect ran once."""
+    runs, gate, probed = short_tmp / "runs", short_tmp / "gate", short_tmp / "probed"
+    child_pid = short_tmp / "child.pid"
+    effect = (f"echo $$ > {child_pid}; while [ ! -e {gate} ]; do sleep 0.01; done; "
+              f"echo ran >> {runs}")  # fmt: skip
+    cmd = ["sh", "-c", f"sh -c '{effect}'; echo done"]
     argv = [TOWERCTL, "--socket", str(daemon.socket_path), "run", "--key", "push",
-            "--probe", f"[ -e {runs} ] && grep -q ran {runs}", "--", *cmd]  # fmt: skip
+            "--probe", f"touch {probed}; [ -e {runs} ] && grep -q ran {runs}",
+            "--", *cmd]  # fmt: skip
     proc = spawn(argv, short_tmp)
-    first = int(wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(),
-                         what="CMD to start"))  # fmt: skip
+    wait_for(lambda: child_pid.exists() and child_pid.read_text().strip(), what="the effect")
     os.kill(proc.pid, signal.SIGKILL)  # towerctl alone
     proc.wait(10)
     with daemon.client() as client:
         wait_for(lambda: client.idem_get("shell", "push")["state"] == "outcome_unknown",
                  what="the key to turn outcome_unknown")  # fmt: skip
-    wait_for(lambda: not alive(first), what="the first CMD to be gone")
-    outcome = settle(daemon)["push"]
-    assert (outcome["verdict"], outcome["status"]) == ("aborted", "gone")
-    gate.touch()
-    retry = subprocess.run(argv, cwd=short_tmp, capture_output=True, text=True, timeout=60)
-    assert retry.returncode == 0, retry.stderr
+        waiting = settle(daemon)["push"]
+        assert waiting["verdict"] == "holder_alive", waiting
+        assert waiting["evidence"]["command_running"] > 0
+        assert not probed.exists(), "probed while the command still ran"
+        refused = subprocess.run(argv, cwd=short_tmp, capture_output=True, text=True,
+                                 timeout=60)  # fmt: skip
+        assert refused.returncode == 120, refused.stderr
+        gate.touch()
+        wait_for(lambda: settle(daemon) is not None
+                 and client.idem_get("shell", "push")["state"] == "completed",
+                 what="the probe to settle the key once the command ended")  # fmt: skip
+    replay = subprocess.run(argv, cwd=short_tmp, capture_output=True, text=True, timeout=60)
+    assert replay.returncode == 0 and "already ran" in replay.stderr, replay.stderr
     assert runs.read_text().splitlines() == ["ran"]
 
 
