@@ -121,6 +121,15 @@ def effect_requires_lease(
     return True
 
 
+def lease_resource(kind: str, target_ref: str) -> str:
+    """The shared lease an effect on ``target_ref`` takes: one name per target, so the
+    two spellings git accepts for a branch (``main``, ``refs/heads/main``) contend for
+    one lease (each once had its own, and two runs pushed the branch at once)."""
+    if kind == "git-push" and not target_ref.startswith("refs/"):
+        return f"refs/heads/{target_ref}"
+    return target_ref
+
+
 def effect_key(run_id: str, step_id: str, action_kind: str, target_ref: str) -> str:
     """The effect's idempotency key: ``eff_`` and the first 16 hex digits of the SHA-256
     of ``run:step:kind:target`` (UTF-8), the same key the reference ledger stores."""

@@ -227,13 +227,12 @@ def claim(tx: Tx, caller: Caller, params: EffectClaimParams) -> EffectClaimResul
         quota.require_room(tx, principal, "effects", quota_rows)
     resource = token = lease_expires = None
     if naming.effect_requires_lease(params.action_kind, params.target_ref, params.run_id, prefix):
+        resource = naming.lease_resource(params.action_kind, params.target_ref)
         try:
-            granted = leases.acquire(
-                tx, caller, LeaseAcquireParams(params.target_ref, params.lease_ttl_ms)
-            )
+            granted = leases.acquire(tx, caller, LeaseAcquireParams(resource, params.lease_ttl_ms))
         except LeaseHeld as exc:
             raise EffectLeaseHeld(
-                f"{params.target_ref} is leased by another holder; nothing was recorded",
+                f"{resource} is leased by another holder; nothing was recorded",
                 exc.data,
             ) from None
         resource, token, lease_expires = granted.resource, granted.fencing_token, granted.expires_at

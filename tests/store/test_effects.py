@@ -238,6 +238,7 @@ async def test_a_shared_claim_takes_the_targets_lease(
 ) -> None:
     """A shared kind leases target_ref; the row records lease_resource and its token."""
     p = params(kind=kind, target=target, payload={"title": "x"}, timeout_ms=20_000)
+    resource = naming.lease_resource(kind, target)
     async with opened(short_tmp) as store:
         result = await claim(store, p)
         record = await get(store, key_of(p))
@@ -246,7 +247,7 @@ async def test_a_shared_claim_takes_the_targets_lease(
             effect_key=key_of(p),
             status="in_flight",
             attempt_id="a-1",
-            lease_resource=target,
+            lease_resource=resource,
             fencing_token=1,
             lease_expires_at=now + TTL,
         )
@@ -264,14 +265,14 @@ async def test_a_shared_claim_takes_the_targets_lease(
             heartbeat_at=now,
             completed_at=None,
             timeout_ms=20_000,
-            lease_resource=target,
+            lease_resource=resource,
             fencing_token=1,
             holder_pid=LIVE.pid,
         )
         assert await lease_rows(store) == [
-            (target, 1, ME, LIVE.pid, LIVE.start, now, now, now + TTL, store.daemon_id)
+            (resource, 1, ME, LIVE.pid, LIVE.start, now, now, now + TTL, store.daemon_id)
         ]
-        assert await counters(store) == {target: 1}
+        assert await counters(store) == {resource: 1}
 
 
 @pytest.mark.parametrize(("kind", "target"), UNFENCED)
@@ -301,11 +302,11 @@ async def test_the_branch_prefix_decides_which_push_is_the_runs_own(short_tmp: P
     async with opened(short_tmp) as store:
         assert (await claim(store, own, prefix="team/")).lease_resource is None
         fenced = await claim(store, default_own, prefix="team/")
-        assert (fenced.lease_resource, fenced.fencing_token) == ("kxm/run-7", 1)
+        assert (fenced.lease_resource, fenced.fencing_token) == ("refs/heads/kxm/run-7", 1)
         # Under the default prefix team/run-7-x is somebody else's branch.
         shared = await claim(store, params(step="p2", kind="git-push", target="team/run-7-x"))
-        assert shared.lease_resource == "team/run-7-x"
-        assert await counters(store) == {"kxm/run-7": 1, "team/run-7-x": 1}
+        assert shared.lease_resource == "refs/heads/team/run-7-x"
+        assert await counters(store) == {"refs/heads/kxm/run-7": 1, "refs/heads/team/run-7-x": 1}
 
 
 async def test_a_committed_effect_is_refused_before_the_lease_is_looked_at(
@@ -344,6 +345,22 @@ async def test_lease_held_leaves_no_effect_row_and_no_lease_change(short_tmp: Pa
         with pytest.raises(EffectNotFound):
             await get(store, key_of(params()))
         assert (await lease_rows(store), await counters(store)) == before
+
+
+async def test_two_spellings_of_one_branch_contend_for_one_lease(short_tmp: Path) -> None:
+    """A push to ``main`` and one to ``refs/heads/main`` (another run) are one target: the
+    second is EffectLeaseHeld (each spelling once took its own lease, and two runs
+    pushed the branch at the same time: a tester's reproducer)."""
+    async with opened(short_tmp) as store:
+        first = await claim(store, params(step="push", kind="git-push", target="refs/heads/main"))
+        assert first.lease_resource == "refs/heads/main"
+        for target in ("main", "refs/heads/main"):
+            with pytest.raises(EffectLeaseHeld):
+                await claim(store, params(step="push", kind="git-push", target=target,
+                                          run="run_other", attempt="b-1"),
+                            holder=OTHER_LIVE)  # fmt: skip
+        tag = await claim(store, params(step="tag", kind="git-push", target="refs/tags/v1"))
+        assert tag.lease_resource == "refs/tags/v1"
 
 
 async def test_lease_held_on_rearming_a_failed_effect_writes_nothing(short_tmp: Path) -> None:
