@@ -88,6 +88,9 @@ class WorkerListResult(Struct, omit_defaults=True):
 DispatchId = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 Reason = Annotated[str, Meta(max_length=4096)]
 RecentLimit = Annotated[int, Meta(ge=1, le=500)]
+# No '/': the unit key is "unit_type/unit_id", so ("x/y", "z") and ("x", "y/z") would be
+# one unit with two active dispatches and two retry budgets.
+UnitType = Annotated[str, Meta(min_length=1, max_length=256, pattern="^[^/]+$")]
 DEFAULT_MAX_ATTEMPTS = 3
 
 
@@ -95,7 +98,7 @@ class DispatchClaimParams(Struct):
     worker_id: WorkerId
     lease_resource: Resource
     fencing_token: Token
-    unit_type: Name
+    unit_type: UnitType
     unit_id: Name
     milestone_id: Name
     trace_id: Name

@@ -48,6 +48,7 @@ def build(info: mi.Type, salt: int = 0) -> Any:
                 m.UUID_PATTERN: SAMPLE_UUID,
                 "^eff_[0-9a-f]{16}$": "eff_0123456789abcdef",
                 "^/": f"/s{salt}",  # an absolute path
+                "^[^/]+$": f"s{salt}",  # a dispatch unit type
                 m.GIT_OBJECT_PATTERN: f"{salt:040x}",
                 m.GIT_REF_PATTERN: f"refs/heads/s{salt}",
             }
@@ -314,6 +315,17 @@ def test_project_roots_must_be_absolute_paths_without_nul(method: str, params: d
     made os.path.realpath raise inside the handler, answered ``internal``."""
     with pytest.raises(msgspec.ValidationError, match="absolute path"):
         decode_params(method, params)
+
+
+def test_a_dispatch_unit_type_has_no_slash() -> None:
+    """The unit key is ``unit_type/unit_id``: ("x/y", "z") and ("x", "y/z") were two
+    units to the unique index and the retry count, one to the stuck rules, so one unit
+    could have two active dispatches (a tester's reproducer)."""
+    claim = {"worker_id": "w", "lease_resource": "worker-lease:r", "fencing_token": 1,
+             "unit_id": "y/z", "milestone_id": "m", "trace_id": "t"}  # fmt: skip
+    with pytest.raises(msgspec.ValidationError, match="unit_type"):
+        decode_params("dispatch.claim", {**claim, "unit_type": "x/y"})
+    assert decode_params("dispatch.claim", {**claim, "unit_type": "x"}).unit_id == "y/z"
 
 
 @pytest.mark.parametrize("method", ["path.claim", "path.release", "hook.event"])
