@@ -29,6 +29,7 @@ one probed and unsettled, so a person's resolve or a new attempt in the meantime
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import time
@@ -53,6 +54,8 @@ CONCURRENT_PROBES = 4
 MIN_INTERVAL = 0.1  # seconds between passes at least, whatever --probe-interval says
 OUTPUT_GRACE = 0.5  # seconds the output is still read for once the command itself exited
 POLL_SLICE = 0.1  # seconds between looks at whether the command itself has exited
+KEPT_BYTES = 4 * MAX_SHOWN  # of each output stream (MAX_SHOWN characters of UTF-8 at most)
+READ_CHUNK = 65536
 REAP_TIMEOUT = 5.0  # seconds a command killed at the timeout is waited for, at most
 
 # Left out of a probe's environment: towerd's own supervisor plumbing.
@@ -73,7 +76,8 @@ class Ran:
 
 def run_command(argv: list[str], cwd: str | None, env: dict[str, str], timeout: float) -> Ran:
     """Run ``argv`` in a session of its own (so the whole group dies at the timeout),
-    stdin closed, output captured.
+    stdin closed, output captured: the first ``KEPT_BYTES`` of each stream, the rest read
+    and dropped (``cat /dev/zero`` as a probe once grew the daemon by gigabytes).
 
     The command's own process decides: once it has exited, the output is read for at
     most ``OUTPUT_GRACE`` more seconds, so a descendant that left the group still holding
@@ -91,28 +95,32 @@ def run_command(argv: list[str], cwd: str | None, env: dict[str, str], timeout: 
         )
     except OSError as exc:
         return Ran(None, "", "", f"cannot run {argv[0]}: {exc.strerror or exc}")
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = bytearray(), bytearray()
+    kept = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
     deadline = time.monotonic() + timeout
     read_until: float | None = None  # set once the command's own process has exited
-    out = err = b""
     try:
-        while True:
-            limit = deadline if read_until is None else read_until
-            wait = min(POLL_SLICE, max(limit - time.monotonic(), 0.0))
-            try:
-                out, err = proc.communicate(timeout=wait)
-            except subprocess.TimeoutExpired as exc:
-                # The output read so far (communicate keeps it, and goes on from there).
-                out = exc.output if exc.output is not None else out
-                err = exc.stderr if exc.stderr is not None else err
-            else:
-                break
-            now = time.monotonic()
-            if proc.poll() is not None:
-                if read_until is None:
+        with selectors.DefaultSelector() as selector:
+            for fd in kept:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map():
+                now = time.monotonic()
+                if read_until is None and proc.poll() is not None:
                     read_until = now + OUTPUT_GRACE
-                elif now >= read_until:
-                    break  # a descendant holds the pipes: its output is not the verdict
-            elif now >= deadline:
+                limit = deadline if read_until is None else read_until
+                if now >= limit:
+                    break  # the deadline, or a descendant holds the pipes past the grace
+                for ready, _events in selector.select(min(POLL_SLICE, limit - now)):
+                    chunk = os.read(ready.fd, READ_CHUNK)
+                    if not chunk:
+                        selector.unregister(ready.fd)
+                    elif len(stream := kept[ready.fd]) < KEPT_BYTES:
+                        stream += chunk[: KEPT_BYTES - len(stream)]
+        if proc.poll() is None:  # both pipes closed or the deadline: it must end by then
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 return Ran(None, "", "", f"timed out after {timeout:g} s")
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from towerd.daemon.probes import run_command
+from towerd.daemon.probes import MAX_SHOWN, run_command
 from towerd_testing import wait_for
 
 # A regression would wait for the detached `sleep 30`: the watchdog kills it first, so
@@ -85,3 +85,20 @@ def test_a_plain_command_gives_its_status_and_output():
     """Without any descendant the status and the output are returned as they were."""
     ran = run_sh("echo hi; echo oops >&2; exit 3", timeout=5)
     assert (ran.status, ran.stdout, ran.stderr, ran.error) == (3, "hi\n", "oops\n", None)
+
+
+def test_a_flood_of_output_is_read_and_dropped_past_what_is_kept():
+    """`head -c 64M /dev/zero` as a probe: its status comes back with the first
+    characters only, and what run_command holds stays small (it once kept all of it:
+    a tester's `cat /dev/zero` probe grew the daemon by ~1.9 GB)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        ran = run_sh("head -c 67108864 /dev/zero; echo err >&2; exit 0", timeout=30)
+        _current, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (ran.status, ran.stderr, ran.error) == (0, "err\n", None), ran.error
+    assert ran.stdout == "\0" * MAX_SHOWN
+    assert peak < 4 * 1024 * 1024, f"peak {peak} bytes held while reading 64 MiB"
