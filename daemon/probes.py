@@ -58,9 +58,11 @@ KEPT_BYTES = 4 * MAX_SHOWN  # of each output stream (MAX_SHOWN characters of UTF
 READ_CHUNK = 65536
 REAP_TIMEOUT = 5.0  # seconds a command killed at the timeout is waited for, at most
 
-# Left out of a probe's environment: towerd's own supervisor plumbing.
-_SUPERVISOR_VARIABLES = ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
-                         "WATCHDOG_USEC", "WATCHDOG_PID")  # fmt: skip
+# Left out of a probe's environment: towerd's own supervisor plumbing, and a run's
+# attempt token (a daemon started from a `towerctl run --probe` command would otherwise
+# pass it to its probes, and their leftovers would hold that key's probe back).
+_SUPERVISOR_VARIABLES = (RUN_ATTEMPT_VARIABLE, "NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID",
+                         "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,8 @@ def run_command(argv: list[str], cwd: str | None, env: dict[str, str], timeout: 
                     read_until = now + OUTPUT_GRACE
                 limit = deadline if read_until is None else read_until
                 if now >= limit:
+                    if read_until is not None:  # what it left in its group holds the pipes
+                        _kill_group(proc, reap=False)
                     break  # the deadline, or a descendant holds the pipes past the grace
                 for ready, _events in selector.select(min(POLL_SLICE, limit - now)):
                     chunk = os.read(ready.fd, READ_CHUNK)
@@ -132,12 +136,14 @@ def run_command(argv: list[str], cwd: str | None, env: dict[str, str], timeout: 
     )
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def _kill_group(proc: subprocess.Popen[bytes], reap: bool = True) -> None:
     """SIGKILL the command's process group and reap the command, waiting a bounded time."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    if not reap:
+        return
     try:
         proc.wait(timeout=REAP_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -255,6 +261,7 @@ class Prober:
         # come: a second pass that meets it waits for that probe instead of running it
         # again, and a long periodic pass does not hold up `effects settle` for the rest.
         self._running: dict[Any, tuple[anyio.Event, list[ProbeOutcome]]] = {}
+        self._running_commands: dict[str, int] = {}  # attempt token -> a pid carrying it
 
     @property
     def base_ms(self) -> int:
@@ -278,6 +285,11 @@ class Prober:
             idempotency.keys_to_probe, due_only
         )  # fmt: skip
         outcomes: list[ProbeOutcome | None] = [None] * (len(found) + len(keys))
+        # One look at every process per pass: which run attempts still have a command
+        # running (their keys wait; see _key).
+        self._running_commands = await anyio.to_thread.run_sync(
+            processes.carried_values, RUN_ATTEMPT_VARIABLE
+        ) if any(key.attempt for key in keys) else {}  # fmt: skip
         async with anyio.create_task_group() as tasks:
             for i, item in enumerate(found):
                 if item.verdict is not None:
@@ -335,9 +347,7 @@ class Prober:
             # towerctl (the holder) is gone, but the command it ran, or one that command
             # started, may still be doing the effect: a probe now could say "not done"
             # and let a retry run it beside them. Probed once none carries the attempt.
-            running = await anyio.to_thread.run_sync(
-                processes.carrying, RUN_ATTEMPT_VARIABLE, key.attempt, limiter=self._limiter
-            )
+            running = self._running_commands.get(key.attempt)
             if running is not None:
                 return ProbeOutcome("holder_alive", "outcome_unknown",
                                     {"command_running": running}, principal=key.principal,

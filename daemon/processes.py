@@ -94,25 +94,28 @@ def is_alive(holder: Holder) -> bool:
         return True
 
 
-def carrying(variable: str, value: str) -> int | None:
-    """A live process whose environment has ``variable=value`` (its pid), or None.
+def carried_values(variable: str) -> dict[str, int]:
+    """Each value of ``variable`` in a live process's environment -> one such pid.
 
     Why: a command towerctl ran outlives it when towerctl is killed, and so do the
     commands it started (a script's own steps); the environment is what all of them
     inherit. Only processes whose environment this daemon may read are seen (its own
-    user's, in its pid namespace); one that cleared its environment is not."""
-    needle = f"\0{variable}={value}\0".encode()
+    user's, in its pid namespace); one that cleared or rewrote its environment is not."""
+    prefix = f"{variable}=".encode()
+    found: dict[str, int] = {}
     own = os.getpid()
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == own:
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as environ:
-                if needle in b"\0" + environ.read() + b"\0":
-                    return int(name)
+                entries = environ.read().split(b"\0")
         except OSError:  # gone, a zombie's, or another user's
             continue
-    return None
+        for entry in entries:
+            if entry.startswith(prefix):
+                found.setdefault(entry[len(prefix) :].decode("utf-8", "replace"), int(name))
+    return found
 
 
 MAX_LINEAGE = 4096  # ancestors walked at most (pid chains are short; this bounds a loop)

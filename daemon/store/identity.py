@@ -52,11 +52,15 @@ def _write_atomically(state_dir: Path, name: str, text: str) -> None:
     temporary = path.with_name(f".{name}.{os.getpid()}.{os.urandom(4).hex()}")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temporary, path)
+    except OSError:
+        temporary.unlink(missing_ok=True)  # a full disk leaves no stray file behind
+        raise
     directory = os.open(state_dir, os.O_RDONLY)
     try:
         os.fsync(directory)
@@ -112,10 +116,14 @@ def refuse_rolled_back_store(
     )
 
 
+def record_text(tokens: list[str]) -> str:
+    return " ".join(tokens) + "\n"
+
+
 def rotation(token: str, current: str | None) -> tuple[str, str]:
     """The two records of a rotation to ``token``: the one written before the database
     takes it (both accepted) and the one after."""
-    return f"{current or NO_GENERATION} {token}\n", f"{token}\n"
+    return record_text([current or NO_GENERATION, token]), record_text([token])
 
 
 def write_generations(state_dir: Path, text: str) -> None:

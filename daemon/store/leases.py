@@ -144,6 +144,14 @@ def _held_error(lease: Lease, now: int) -> LeaseHeld:
     )
 
 
+def refuse_if_held_elsewhere(tx: Tx, caller: Caller, resource: str) -> None:
+    """LeaseHeld if another holder has a live lease on ``resource`` (nothing written)."""
+    current = load(tx, resource)
+    if current is not None and current.live(tx.now):
+        if not current.held_by(caller.principal, caller.holder):
+            raise _held_error(current, tx.now)
+
+
 def acquire(tx: Tx, caller: Caller, params: LeaseAcquireParams) -> LeaseAcquireResult:
     """Grant the lease to ``caller.holder``, or extend it (same token) for its current
     holder."""

@@ -185,7 +185,9 @@ class Store:
         # This database's generation (daemon/store/identity.py); None: not tracked here
         # (PostgreSQL, or a test opening the store as another daemon).
         self.generation: str | None = None
+        self._maybe: list[str] = []  # generations whose write had an unknown outcome
         self._rotating = anyio.Lock()
+        self._generations_ended = False
 
     def _open_inline(self) -> Any:
         return _open_inline_reader(self.db_path)
@@ -298,18 +300,37 @@ class Store:
 
     async def new_generation(self) -> None:
         """After a backup: a new generation, so that backup, put back over the database
-        later, is known to be older than the store it was taken from. A failure is
-        logged, not raised: the backup itself is good, only that check is lost for it."""
-        if self.generation is None:
-            return
-        try:
-            async with self._rotating:  # one rotation at a time: each starts from the last
-                self.generation = await _rotate_generation(
-                    self.config.state_dir, self.generation, self
+        later, is known to be older than the store it was taken from. The record always
+        accepts every generation the database may hold: ``generation`` for sure, and any
+        whose write failed with its outcome unknown (``_maybe``). A failure is logged,
+        not raised: the backup itself is good, only that check is lost for it."""
+        async with self._rotating:  # one at a time: each starts from the last
+            if self.generation is None or self._generations_ended:
+                return
+            state_dir, token = self.config.state_dir, os.urandom(16).hex()
+            possible = [self.generation, *self._maybe]
+            try:
+                await anyio.to_thread.run_sync(
+                    identity.write_generations, state_dir, identity.record_text([*possible, token])
                 )
-        except (OSError, TowerdError) as exc:  # a write refused (full disk, shutting down)
-            log.error("generation_not_rotated", code="internal", error=str(exc),
-                      state_dir=str(self.config.state_dir))  # fmt: skip
+                try:
+                    await self.write(lambda tx: set_generation(tx.conn, token))
+                except TowerdError:
+                    self._maybe.append(token)  # committed or not: the record accepts both
+                    raise
+            except (OSError, TowerdError) as exc:  # a full disk, shutting down
+                log.error("generation_not_rotated", code="internal", error=str(exc),
+                          state_dir=str(state_dir))  # fmt: skip
+                return
+            self.generation, self._maybe = token, []
+            await _record_only(state_dir, identity.record_text([token]))
+
+    async def end_generations(self) -> None:
+        """Before the store closes: wait for a rotation under way, start no other (a
+        daemon taking over must find the record as this one left it)."""
+        with anyio.move_on_after(30, shield=True):
+            async with self._rotating:
+                self._generations_ended = True
 
     async def doctor(self, full: bool) -> DoctorResult:
         """`towerctl doctor`'s look at the database: the file, checked on its own connection."""
@@ -807,18 +828,6 @@ async def _record_only(state_dir: Path, record: str) -> None:
                     errno.ENOSPC else "internal", error=str(exc))  # fmt: skip
 
 
-async def _rotate_generation(state_dir: Path, current: str | None, store: Store) -> str:
-    """After a backup: a new generation (daemon/store/identity.py). The record accepts the
-    current one and the new one, a write batch gives the database the new one, then the
-    record accepts only the new one. Returns it."""
-    token = os.urandom(16).hex()
-    both, only_new = identity.rotation(token, current)
-    await anyio.to_thread.run_sync(identity.write_generations, state_dir, both)
-    await store.write(lambda tx: set_generation(tx.conn, token))
-    await anyio.to_thread.run_sync(identity.write_generations, state_dir, only_new)
-    return token
-
-
 def _open_writer(
     conn: sqlite3.Connection,
     config: StoreConfig,
@@ -946,6 +955,7 @@ async def open_store(config: StoreConfig) -> AsyncIterator[Store]:
                 try:
                     yield store
                 finally:
+                    await store.end_generations()
                     store._close_queue()
                     store._inline.close()
         finally:

@@ -363,6 +363,17 @@ async def test_two_spellings_of_one_branch_contend_for_one_lease(short_tmp: Path
         assert tag.lease_resource == "refs/tags/v1"
 
 
+async def test_a_lease_on_the_bare_branch_name_from_before_the_upgrade_still_contends(
+    short_tmp: Path,
+) -> None:
+    """An effect claimed before bare names were leased as refs/heads/... holds the
+    lease ``release``; a claim on ``release`` now must still be refused while it lives."""
+    async with opened(short_tmp) as store:
+        await acquire(store, resource="release")  # as the old claim did, for another holder
+        with pytest.raises(EffectLeaseHeld):
+            await claim(store, params(step="push", kind="git-push", target="release"))
+
+
 async def test_lease_held_on_rearming_a_failed_effect_writes_nothing(short_tmp: Path) -> None:
     """Re-arming a failed shared effect while another holder leases the target is
     EffectLeaseHeld and leaves the failed row exactly as it was."""
