@@ -32,13 +32,17 @@ def record_path(state_dir: Path) -> Path:
 
 
 def read_record(state_dir: Path) -> str | None:
-    path = record_path(state_dir)
-    check_private(path, "daemon id record", want_dir=False)
+    return _read_private(state_dir, RECORD_FILE, "daemon id record").strip() or None
+
+
+def _read_private(state_dir: Path, name: str, what: str) -> str:
+    """A record of the state dir ('' if there is none), refused if others could write it."""
+    path = state_dir / name
+    check_private(path, what, want_dir=False)
     try:
-        text = path.read_text().strip()
+        return path.read_text()
     except FileNotFoundError:
-        return None
-    return text or None
+        return ""
 
 
 def write_record(state_dir: Path, daemon_id: str) -> None:
@@ -85,13 +89,7 @@ NO_GENERATION = "none"  # accepted while the database has none yet (first rotati
 
 def read_generations(state_dir: Path) -> list[str] | None:
     """The generations the state dir accepts, or None (no record: nothing is checked)."""
-    path = state_dir / GENERATION_FILE
-    check_private(path, "generation record", want_dir=False)
-    try:
-        tokens = path.read_text().split()
-    except FileNotFoundError:
-        return None
-    return tokens or None
+    return _read_private(state_dir, GENERATION_FILE, "generation record").split() or None
 
 
 def refuse_rolled_back_store(
