@@ -160,6 +160,7 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         on_disconnect=lambda caller: sweep.poke() if caller.claimed else None,
         trace_requests=config.log_level == "debug",
         watch_hub=WatchHub(config.watch_max_queue),
+        spin_us=config.spin_us,
     )
     hub = server.watch_hub
 

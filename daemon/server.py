@@ -47,6 +47,7 @@ from towerd.daemon import stages
 from towerd.daemon.handlers import Caller, Handlers
 from towerd.daemon.listen import BACKLOG
 from towerd.daemon.processes import holder_of, peer_credentials
+from towerd.daemon.spin import Spinner
 from towerd.daemon.watch import Subscription, WatchHub
 from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder
 from towerd.protocol import methods as m
@@ -109,8 +110,10 @@ class Server:
         on_disconnect: Callable[[Caller], None] = lambda caller: None,
         trace_requests: bool = False,
         watch_hub: WatchHub | None = None,
+        spin_us: int = 0,
     ) -> None:
         self.handlers = handlers
+        self.spinner = Spinner(spin_us)  # the loop stays awake a moment after an answer
         self.watch_hub = watch_hub or WatchHub()
         self.limits = limits
         # A debug line per request: its arguments cost ~2 us to build even when the
@@ -196,6 +199,7 @@ class Connection(asyncio.Protocol):
         self.send_timer: asyncio.TimerHandle | None = None
         self.hello_timer: asyncio.TimerHandle | None = None
         self.subscription: Subscription | None = None  # set once this peer sent ``watch``
+        self.spinner = server.spinner
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -595,6 +599,7 @@ class Connection(asyncio.Protocol):
             transport.write(frame)
             return
         transport.write(frame)
+        self.spinner.answered()
         if transport.get_write_buffer_size() > self.limits.max_outbound_bytes:
             self.drop(outbound_bytes=transport.get_write_buffer_size())
 
