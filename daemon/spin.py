@@ -4,27 +4,31 @@ Why: a client writing in turn (a service, an agent loop; bench/writes.py at 1 cl
 sends its next request tens of microseconds after its answer. If the loop went to sleep
 in ``epoll_wait`` meanwhile, that request pays for waking it: on this project's VMs the
 idle vCPU halts and an interrupt must bring it back, and the client's own ``send`` does
-the wake-up. Measured (bench/README.md, "The loop stays awake after an answer"): 1-client
-writes +15%, 8 clients +7%, a 1-client read's round trip ~90 -> ~25 us; 64 clients and
-50-client reads unchanged within the noise. So after each answer the loop goes on
+the wake-up. Measured (bench/README.md, "What moved since the previous run"): 1-client
+writes +10%, 8 clients +9%, a 1-client read's round trip ~80-90 -> ~23-26 us; 64 clients
+and 50-client reads unchanged within the noise. So after each answer the loop goes on
 polling, ``epoll_wait`` with a zero timeout, until ``window`` has passed with no answer,
 as Go's scheduler spins a little before it parks a thread.
 
 What it costs: at most one window of CPU after the last answer, then the loop sleeps as
 before (an idle daemon uses no CPU); a busy loop pays one callback a pass. It is off
-when this process may run on one CPU only (the poll would hold the CPU the client
-needs), and each idle pass yields the CPU to anything else runnable on it. ``--spin-us
-0`` turns it off.
+when this process may use less than two CPUs, by its affinity or by its cgroup's CPU
+quota (a container's ``--cpus``, a unit's ``CPUQuota=``): there the poll would hold
+the CPU the client needs, or spend a quota whose end stalls the whole daemon until the
+next period. Each idle pass yields the CPU to anything else runnable on it.
+``--spin-us 0`` turns it off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
+from pathlib import Path
 
 DEFAULT_SPIN_US = 200
-AFFINITY_RECHECK_S = 1.0  # on one CPU: how long before the affinity is asked again
+BUDGET_RECHECK_S = 1.0  # how long the CPUs this process may use are taken as known
 
 
 def cpus_available() -> int:
@@ -33,6 +37,86 @@ def cpus_available() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not on Linux
         return os.cpu_count() or 1
+
+
+def cpu_budget() -> float:
+    """The CPUs this process may use: its affinity, capped by its cgroup's CPU quota."""
+    quota = cgroup_cpu_quota()
+    cpus = float(cpus_available())
+    return cpus if quota is None else min(cpus, quota)
+
+
+def cgroup_cpu_quota(proc: Path = Path("/proc/self")) -> float | None:
+    """CPUs a period that this process's cgroups allow (the smallest quota on the way up
+    to each hierarchy's root, v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us``), or None when
+    none is set or none can be read. Quotas above a cgroup namespace's root are not
+    visible from inside it."""
+    try:
+        memberships = _read_lines(proc / "cgroup")
+        mounts = _read_lines(proc / "mountinfo")
+    except OSError:
+        return None
+    mounts_of = {version: _cgroup_mounts(mounts, version) for version in (1, 2)}
+    quotas: list[float] = []
+    for membership in memberships:
+        _, _, rest = membership.partition(":")
+        controllers, _, path = rest.partition(":")
+        version = 2 if controllers == "" else 1 if "cpu" in controllers.split(",") else 0
+        for root, mount_point in mounts_of.get(version, []):
+            if path == root or path.startswith(root.rstrip("/") + "/"):
+                top = Path(mount_point)
+                quotas.extend(_quotas_up_to(top / path[len(root) :].strip("/"), top, version))
+    return min(quotas) if quotas else None
+
+
+def _read_lines(path: Path) -> list[str]:
+    """A /proc file's lines; bytes that are not UTF-8 (a mount point's name) kept as
+    surrogates, as os.fsdecode does, so they still name the same path."""
+    return path.read_bytes().decode("utf-8", "surrogateescape").splitlines()
+
+
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo field as the path it names: the kernel writes space, tab, newline
+    and backslash as octal escapes (\\040 ...)."""
+    return _ESCAPE.sub(lambda match: chr(int(match.group(1), 8)), field)
+
+
+def _cgroup_mounts(mountinfo: list[str], version: int) -> list[tuple[str, str]]:
+    """(root within the hierarchy, mount point) of each mount of that cgroup version
+    (v1: the hierarchies with the ``cpu`` controller)."""
+    found = []
+    for line in mountinfo:
+        fields, _, after = line.partition(" - ")
+        parts, tail = fields.split(), after.split()
+        if len(parts) < 5 or len(tail) < 3:
+            continue
+        fstype, options = tail[0], tail[2].split(",")
+        if (version == 2 and fstype == "cgroup2") or (
+            version == 1 and fstype == "cgroup" and "cpu" in options
+        ):
+            found.append((_unescape(parts[3]), _unescape(parts[4])))
+    return found
+
+
+def _quotas_up_to(directory: Path, top: Path, version: int) -> list[float]:
+    quotas = []
+    while True:
+        try:
+            if version == 2:
+                limit, period = (directory / "cpu.max").read_text().split()[:2]
+            else:
+                limit = (directory / "cpu.cfs_quota_us").read_text().strip()
+                period = (directory / "cpu.cfs_period_us").read_text().strip()
+            if limit not in ("max", "-1") and int(period) > 0:
+                quotas.append(int(limit) / int(period))
+        except (OSError, ValueError):
+            pass  # not a cgroup directory we may read (or no quota file at the root)
+        if directory == top or top not in directory.parents:
+            return quotas
+        directory = directory.parent
 
 
 class Spinner:
@@ -45,7 +129,8 @@ class Spinner:
         self.answers = 0  # answers so far: a pass that sees a new one knows the loop is busy
         self._seen = 0
         self._quiet_since = 0.0
-        self._single_cpu_until = 0.0
+        self._budget_known_until = 0.0  # perf_counter until which _budget_allows stands
+        self._budget_allows = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def answered(self) -> None:
@@ -56,17 +141,22 @@ class Spinner:
 
     def _start(self) -> None:
         now = time.perf_counter()
-        if now < self._single_cpu_until:
+        if now >= self._budget_known_until:
+            # Asked when a spin starts, at most once a second: it costs system calls and
+            # file reads, and the affinity (taskset) or the quota (systemctl
+            # set-property) can change. A failure to tell means no spin: an answer
+            # never fails for it.
+            self._budget_known_until = now + BUDGET_RECHECK_S
+            try:
+                self._budget_allows = cpu_budget() >= 2
+            except Exception:  # noqa: BLE001 - the poll is an optimisation, never a fault
+                self._budget_allows = False
+        if not self._budget_allows:
             return
-        # Asked when a spin starts, not per answer: it costs a system call, and the
-        # affinity can change under us (taskset).
-        if cpus_available() < 2:
-            self._single_cpu_until = now + AFFINITY_RECHECK_S
-            return
-        self.spinning = True
-        self._seen, self._quiet_since = self.answers, now
         self._loop = asyncio.get_running_loop()
+        self._seen, self._quiet_since = self.answers, now
         self._loop.call_soon(self._poll)
+        self.spinning = True
 
     def _poll(self) -> None:
         """One pass of the loop. While a callback is ready the loop polls for I/O without
