@@ -599,7 +599,8 @@ class Connection(asyncio.Protocol):
             transport.write(frame)
             return
         transport.write(frame)
-        self.spinner.answered()
+        if self.caller is not None:  # not for a peer refused at connect (another uid)
+            self.spinner.answered()
         if transport.get_write_buffer_size() > self.limits.max_outbound_bytes:
             self.drop(outbound_bytes=transport.get_write_buffer_size())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +113,33 @@ def test_the_daemon_sleeps_after_its_window_and_spin_us_is_that_window(make_daem
         client.ping()
         assert running_share(spinning.pid, 0.2) > 0.6
         wait_for(lambda: running_share(spinning.pid, 0.05) < 0.2, what="the window's end")
+
+
+ANOTHER_UID_CLIENT = """
+import socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect(sys.argv[1])
+while sock.recv(65536):
+    pass
+"""
+
+
+@TWO_CPUS
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_a_peer_refused_at_connect_does_not_make_it_poll(make_daemon, short_tmp: Path) -> None:
+    """Another uid's connection is refused before any request: it buys no poll (a
+    hostile user could otherwise keep a CPU busy with connects alone)."""
+    daemon = make_daemon().start("--spin-us", "400000")
+    for path in (short_tmp, daemon.socket_path.parent):
+        path.chmod(0o755)
+    daemon.socket_path.chmod(0o777)
+    for _ in range(3):
+        subprocess.run(
+            ["/usr/bin/python3", "-I", "-c", ANOTHER_UID_CLIENT, str(daemon.socket_path)],
+            user=65534, group=65534, check=True, timeout=30,
+        )  # fmt: skip
+        assert running_share(daemon.pid, 0.1) < 0.2
+    daemon.socket_path.parent.chmod(0o700)
 
 
 # --- a CPU quota (a container's --cpus, a unit's CPUQuota=) turns the poll off ---------
