@@ -142,8 +142,9 @@ class DaemonConfig:
     )  # fmt: skip
     spin_us: int = option(
         DEFAULT_SPIN_US, "--spin-us", "after an answer, poll this long for the next request "
-        "before sleeping: a client writing in turn finds the daemon awake (saves a wake-up, "
-        f"most on VMs; 0: off; default {DEFAULT_SPIN_US})", "MICROSECONDS", type=int,
+        "before sleeping: a client sending requests back to back finds the daemon awake "
+        "(saves a wake-up, most on VMs; slower for other patterns and on a busy machine: "
+        f"see bench/README.md; default {DEFAULT_SPIN_US}: off)", "MICROSECONDS", type=int,
     )  # fmt: skip
     branch_prefix: str = option(
         DEFAULT_PREFIX, "--branch-prefix", "prefix of run branches: a push to the run's own "

@@ -1,22 +1,21 @@
-"""Keep the event loop awake for a moment after an answer, in case the next request is close.
+"""Optionally keep the event loop awake for a moment after an answer (``--spin-us``).
 
 Why: a client writing in turn (a service, an agent loop; bench/writes.py at 1 client)
 sends its next request tens of microseconds after its answer. If the loop went to sleep
 in ``epoll_wait`` meanwhile, that request pays for waking it: on this project's VMs the
-idle vCPU halts and an interrupt must bring it back, and the client's own ``send`` does
-the wake-up. Measured (bench/README.md, "What moved since the previous run"): 1-client
-writes +10%, 8 clients +9%, a 1-client read's round trip ~80-90 -> ~23-26 us; 64 clients
-and 50-client reads unchanged within the noise. So after each answer the loop goes on
-polling, ``epoll_wait`` with a zero timeout, until ``window`` has passed with no answer,
-as Go's scheduler spins a little before it parks a thread.
+idle vCPU halts and an interrupt must bring it back. With a window, after each answer
+the loop goes on polling (``epoll_wait`` with a zero timeout) until the window has
+passed with no answer, as Go's scheduler spins a little before it parks a thread.
 
-What it costs: at most one window of CPU after the last answer, then the loop sleeps as
-before (an idle daemon uses no CPU); a busy loop pays one callback a pass. It is off
-when this process may use less than two CPUs, by its affinity or by its cgroup's CPU
-quota (a container's ``--cpus``, a unit's ``CPUQuota=``): there the poll would hold
-the CPU the client needs, or spend a quota whose end stalls the whole daemon until the
-next period. Each idle pass yields the CPU to anything else runnable on it.
-``--spin-us 0`` turns it off.
+Off by default, because it helps one pattern and hurts others (bench/README.md, "The
+loop kept awake after an answer"): on an otherwise idle 2-core VM, 200 us gave 1-client
+writes +10%, 8 clients +9%, back-to-back reads a round trip of ~25 us instead of ~85;
+but a client pausing ~150 us between requests got slower answers at 7-10x the daemon's
+CPU, and with the CPUs busy with other work the poll cost clients up to 10x (a hostile
+test). It is off when this process may use less than two CPUs, by its affinity or by
+its cgroup's CPU quota (a container's ``--cpus``, a unit's ``CPUQuota=``: the poll
+would spend a quota whose end stalls the daemon until the next period), and a poll
+ends after a bounded number of idle passes even if the clock does not move.
 """
 
 from __future__ import annotations
@@ -27,8 +26,12 @@ import re
 import time
 from pathlib import Path
 
-DEFAULT_SPIN_US = 200
+DEFAULT_SPIN_US = 0  # off; see above
 BUDGET_RECHECK_S = 1.0  # how long the CPUs this process may use are taken as known
+# Idle passes a poll may make per microsecond of its window, whatever the clock says: an
+# idle pass (a system call and a callback) takes well over a quarter of a microsecond, so
+# only a clock that does not advance (libfaketime's frozen time) meets this bound.
+MAX_IDLE_PASSES_PER_US = 4
 
 
 def cpus_available() -> int:
@@ -129,6 +132,8 @@ class Spinner:
         self.answers = 0  # answers so far: a pass that sees a new one knows the loop is busy
         self._seen = 0
         self._quiet_since = 0.0
+        self._idle_passes = 0
+        self._max_idle_passes = max(int(window_us * MAX_IDLE_PASSES_PER_US), 100)
         self._budget_known_until = 0.0  # perf_counter until which _budget_allows stands
         self._budget_allows = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -154,7 +159,7 @@ class Spinner:
         if not self._budget_allows:
             return
         self._loop = asyncio.get_running_loop()
-        self._seen, self._quiet_since = self.answers, now
+        self._seen, self._quiet_since, self._idle_passes = self.answers, now, 0
         self._loop.call_soon(self._poll)
         self.spinning = True
 
@@ -163,11 +168,16 @@ class Spinner:
         sleeping, so this one queues itself again until the window is over."""
         now = time.perf_counter()
         if self.answers != self._seen:  # answered since the last pass: busy, go on
-            self._seen, self._quiet_since = self.answers, now
-        elif now - self._quiet_since >= self.window_s:
-            self.spinning = False
-            return
+            self._seen, self._quiet_since, self._idle_passes = self.answers, now, 0
         else:
-            os.sched_yield()  # idle: anything else runnable on this CPU goes first
+            self._idle_passes += 1
+            if (
+                now - self._quiet_since >= self.window_s
+                or self._idle_passes > self._max_idle_passes
+            ):
+                self.spinning = False
+                return
+        # No sched_yield on idle passes: on Linux 6.18 (EEVDF) it put the daemon behind
+        # a CPU-bound process for a whole slice, ~4 ms an answer (bench/README.md).
         assert self._loop is not None
         self._loop.call_soon(self._poll)

@@ -99,9 +99,9 @@ def running_share(pid: int, seconds: float) -> float:
 
 @TWO_CPUS
 def test_the_daemon_sleeps_after_its_window_and_spin_us_is_that_window(make_daemon) -> None:
-    """The default window ends: a daemon after 300 pings is asleep. A long window
-    (--spin-us 400000) keeps it running right after an answer: the option reaches the
-    server."""
+    """By default (off) a daemon after 300 pings is asleep. A long window (--spin-us
+    400000) keeps it running right after an answer, then it sleeps: the option reaches
+    the server."""
     daemon = make_daemon().start()
     with daemon.client() as client:
         for _ in range(300):
@@ -113,6 +113,24 @@ def test_the_daemon_sleeps_after_its_window_and_spin_us_is_that_window(make_daem
         client.ping()
         assert running_share(spinning.pid, 0.2) > 0.6
         wait_for(lambda: running_share(spinning.pid, 0.05) < 0.2, what="the window's end")
+
+
+FAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))), None)
+
+
+@TWO_CPUS
+@pytest.mark.skipif(FAKETIME is None, reason="needs libfaketime (Debian package faketime)")
+def test_a_frozen_clock_does_not_keep_it_polling(make_daemon) -> None:
+    """libfaketime with an absolute time freezes every clock, perf_counter's too: the
+    window never passes, and only the bound on idle passes ends the poll."""
+    daemon = make_daemon()
+    frozen = daemon.env(
+        LD_PRELOAD=str(FAKETIME), FAKETIME="2030-01-01 00:00:00", FAKETIME_DONT_RESET="1"
+    )
+    daemon.start("--spin-us", "200", env=frozen)
+    with daemon.client() as client:
+        client.ping()
+        wait_for(lambda: running_share(daemon.pid, 0.05) < 0.2, what="the poll's end")
 
 
 ANOTHER_UID_CLIENT = """
