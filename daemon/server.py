@@ -113,7 +113,7 @@ class Server:
         spin_us: int = 0,
     ) -> None:
         self.handlers = handlers
-        self.spinner = Spinner(spin_us)  # the loop stays awake a moment after an answer
+        self.spinner = Spinner(spin_us)  # --spin-us: poll after an answer (0, the default: off)
         self.watch_hub = watch_hub or WatchHub()
         self.limits = limits
         # A debug line per request: its arguments cost ~2 us to build even when the
