@@ -6,6 +6,7 @@ command line from these fields. The README's option table is checked against the
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -26,6 +27,54 @@ from towerd.protocol.naming import DEFAULT_PREFIX
 from towerd.protocol.paths import default_socket_path, default_state_dir
 
 DAY_MS = 86_400_000
+
+
+@dataclass(frozen=True)
+class Number:
+    """A numeric option's type and range, declared with the option (argparse calls it on
+    the text given). A value outside the range, ``nan`` or an infinity is refused at start
+    with the option's name (exit 2, before anything is opened), instead of surfacing later
+    as a crash in a timer, a loop that never sleeps, or a daemon that refuses every
+    request (``--max-frame 0``, ``--max-connections 0``)."""
+
+    kind: type[int] | type[float]
+    least: float
+    above: bool = False  # strictly above ``least``
+    most: float = 0  # 0: the kind's own sane ceiling (below)
+
+    def __call__(self, text: str) -> int | float:
+        try:
+            value = self.kind(text)
+        except ValueError:
+            noun = "an integer" if self.kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        most = self.most or (MAX_COUNT if self.kind is int else MAX_SECONDS)
+        low_ok = value > self.least if self.above else value >= self.least
+        if not (math.isfinite(value) and low_ok and value <= most):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range: {self.describe()}")
+        return value
+
+    def describe(self) -> str:
+        """The range in words, as the refusal and the tests say it."""
+        kind = "an integer" if self.kind is int else "a number"
+        most = self.most or (MAX_COUNT if self.kind is int else MAX_SECONDS)
+        return f"{kind} {'>' if self.above else '>='} {_plain(self.least)} and <= {_plain(most)}"
+
+
+def _plain(value: float) -> str:
+    """A bound as a person writes it: 315360000, not 3.1536e+08."""
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+MAX_SECONDS = 10 * 365 * 86_400.0  # ten years: far beyond any sane period, inside timers
+MAX_COUNT = 2**62  # an integer SQLite and msgpack both store
+MAX_DAYS = 36_500.0
+SECONDS = Number(float, 0, above=True)  # a period, a timeout or a lifetime
+DAYS = Number(float, 0, above=True, most=MAX_DAYS)
+COUNT = Number(int, 1)  # a number of things that must allow at least one
+BYTES = Number(int, 1, most=1 << 30)  # a size limit
+FRAME_BYTES = Number(int, 1024, most=1 << 30)  # hello, errors and pings fit in 1 KiB
+SPIN_WINDOW = Number(int, 0, most=1_000_000)  # microseconds, 0 (off) to a second
 
 
 def option(
@@ -65,12 +114,12 @@ class DaemonConfig:
     )  # fmt: skip
     presence_interval: float = option(
         5.0, "--presence-interval", "PostgreSQL store: how often this box heartbeats its "
-        "presence (default 5)", "SECONDS", type=float,
+        "presence (default 5)", "SECONDS", type=SECONDS,
     )  # fmt: skip
     presence_ttl: float = option(
         30.0, "--presence-ttl", "PostgreSQL store: a box silent this long is dead for every "
         "box: its keys turn outcome_unknown, its leases are freed (default 30, at least 5)",
-        "SECONDS", type=float,
+        "SECONDS", type=SECONDS,
     )  # fmt: skip
     takeover: bool = option(
         False, "--takeover", "ask the running daemon to stop, then start at the next epoch",
@@ -78,7 +127,7 @@ class DaemonConfig:
     )  # fmt: skip
     takeover_timeout: float = option(
         15.0, "--takeover-timeout", "how long --takeover waits for the old daemon (15)",
-        "SECONDS", type=float,
+        "SECONDS", type=SECONDS,
     )  # fmt: skip
     new_store: bool = option(
         False, "--new-store", "start an empty store although the state dir shows a previous "
@@ -88,63 +137,63 @@ class DaemonConfig:
     )  # fmt: skip
     max_frame: int = option(
         DEFAULT_MAX_FRAME, "--max-frame", "the largest request, and the page size (1 MiB)",
-        "BYTES", type=int,
+        "BYTES", type=FRAME_BYTES,
     )  # fmt: skip
     completed_ttl_seconds: float = option(
         24 * 3600.0, "--completed-ttl", "how long completed idempotency keys are kept "
-        "(default 24 h)", "SECONDS", type=float,
+        "(default 24 h)", "SECONDS", type=SECONDS,
     )  # fmt: skip
     expiry_interval: float = option(
         600.0, "--expiry-interval", "how often expired completed keys are swept (default 600)",
-        "SECONDS", type=float,
+        "SECONDS", type=SECONDS,
     )  # fmt: skip
     checkpoint_interval: float = option(
         30.0, "--checkpoint-interval", "how often a grown WAL is truncated when no reader is "
-        "in the way (default 30)", "SECONDS", type=float,
+        "in the way (default 30)", "SECONDS", type=SECONDS,
     )  # fmt: skip
     holder_check_interval: float = option(
         1.0, "--holder-check-interval", "how often dead claimants are looked for (default 1)",
-        "SECONDS", type=float,
+        "SECONDS", type=SECONDS,
     )  # fmt: skip
     probe_interval: float = option(
         60.0, "--probe-interval", "how often uncertain effects and unknown keys with a probe "
-        "are probed again (their backoff grows from this; default 60)", "SECONDS", type=float,
+        "are probed again (their backoff grows from this; default 60)", "SECONDS", type=SECONDS,
     )  # fmt: skip
     probe_timeout: float = option(
         30.0, "--probe-timeout", "an evidence probe (git ls-remote, a --probe command) still "
         "running after this is killed and counts as cannot tell (default 30)", "SECONDS",
-        type=float,
+        type=SECONDS,
     )  # fmt: skip
     shutdown_grace: float = option(
         10.0, "--shutdown-grace", "how long a stop waits for requests in flight (default 10)",
-        "SECONDS", type=float,
+        "SECONDS", type=Number(float, 0),
     )  # fmt: skip
     max_connections: int = option(
         1024, "--max-connections", "connections beyond this are refused with `unavailable` "
-        "(default 1024)", "N", type=int,
+        "(default 1024)", "N", type=COUNT,
     )  # fmt: skip
     max_connections_per_process: int = option(
         DEFAULT_MAX_CONNECTIONS_PER_PROCESS, "--max-connections-per-process",
         "one process's connections beyond this are refused with `unavailable` "
-        f"(default {DEFAULT_MAX_CONNECTIONS_PER_PROCESS})", "N", type=int,
+        f"(default {DEFAULT_MAX_CONNECTIONS_PER_PROCESS})", "N", type=COUNT,
     )  # fmt: skip
     hello_timeout: float = option(
         10.0, "--hello-timeout", "a connection that has not said hello within this is closed "
-        "(default 10)", "SECONDS", type=float,
+        "(default 10)", "SECONDS", type=SECONDS,
     )  # fmt: skip
     frame_timeout: float = option(
         10.0, "--frame-timeout", "a started frame must be complete within this (default 10)",
-        "SECONDS", type=float,
+        "SECONDS", type=SECONDS,
     )  # fmt: skip
     send_timeout: float = option(
         10.0, "--send-timeout", "a peer that does not read its replies this long is dropped",
-        "SECONDS", type=float,
+        "SECONDS", type=SECONDS,
     )  # fmt: skip
     spin_us: int = option(
         DEFAULT_SPIN_US, "--spin-us", "after an answer, poll this long for the next request "
         "before sleeping: a client sending requests back to back finds the daemon awake "
         "(saves a wake-up, most on VMs; slower for other patterns and on a busy machine: "
-        f"see bench/README.md; default {DEFAULT_SPIN_US}: off)", "MICROSECONDS", type=int,
+        f"see bench/README.md; default {DEFAULT_SPIN_US}: off)", "MICROSECONDS", type=SPIN_WINDOW,
     )  # fmt: skip
     branch_prefix: str = option(
         DEFAULT_PREFIX, "--branch-prefix", "prefix of run branches: a push to the run's own "
@@ -152,53 +201,53 @@ class DaemonConfig:
     )  # fmt: skip
     worker_ttl_seconds: float = option(
         60.0, "--worker-ttl", "a worker whose last heartbeat is older is reaped as crashed "
-        "(default 60)", "SECONDS", type=float,
+        "(default 60)", "SECONDS", type=SECONDS,
     )  # fmt: skip
     path_lease_ttl_seconds: float = option(
         DEFAULT_PATH_LEASE_TTL_MS / 1000, "--path-lease-ttl", "a session's path lease lapses "
-        "this long after its last edit of the path (default 1800)", "SECONDS", type=float,
+        "this long after its last edit of the path (default 1800)", "SECONDS", type=SECONDS,
     )  # fmt: skip
     retention_days: float = option(
         30.0, "--retention-days", "audit events, settled dispatches and ended workers older "
-        "are pruned (30)", "DAYS", type=float,
+        "are pruned (30)", "DAYS", type=DAYS,
     )  # fmt: skip
     kv_max_value: int = option(
         DEFAULT_KV_MAX_VALUE, "--kv-max-value", "largest soft-state value, msgpack-encoded "
-        "(default 65536)", "BYTES", type=int,
+        "(default 65536)", "BYTES", type=BYTES,
     )  # fmt: skip
     event_max_payload: int = option(
         DEFAULT_EVENT_MAX_PAYLOAD, "--event-max-payload", "largest hook event payload, "
-        "msgpack-encoded (default 65536)", "BYTES", type=int,
+        "msgpack-encoded (default 65536)", "BYTES", type=BYTES,
     )  # fmt: skip
     event_retention_days: float = option(
         30.0, "--event-retention-days", "hook events older are pruned (default 30)", "DAYS",
-        type=float,
+        type=DAYS,
     )  # fmt: skip
     events_per_session: int = option(
         5000, "--events-per-session", "hook events kept per session, newest first "
-        "(default 5000)", "N", type=int,
+        "(default 5000)", "N", type=COUNT,
     )  # fmt: skip
     events_per_principal: int = option(
         100_000, "--events-per-principal", "hook events kept per principal, newest first "
-        "(default 100000)", "N", type=int,
+        "(default 100000)", "N", type=COUNT,
     )  # fmt: skip
     message_retention_days: float = option(
         30.0, "--message-retention-days", "messages sent longer ago are pruned, whatever "
-        "their status (default 30)", "DAYS", type=float,
+        "their status (default 30)", "DAYS", type=DAYS,
     )  # fmt: skip
     effect_retention_days: float = option(
         30.0, "--effect-retention-days", "committed, failed and aborted effects settled "
         "longer ago are pruned; a claim of a pruned effect runs it again (default 30)",
-        "DAYS", type=float,
+        "DAYS", type=DAYS,
     )  # fmt: skip
     quota_rows: int = option(
         1_000_000, "--quota", "rows one principal may have in each of the idempotency, kv, "
         "messages, events, effects, leases and lease_tokens tables; past it, "
-        "quota_exceeded (default 1000000)", "ROWS", type=int,
+        "quota_exceeded (default 1000000)", "ROWS", type=COUNT,
     )  # fmt: skip
     watch_max_queue: int = option(
         DEFAULT_MAX_QUEUED_BYTES, "--watch-max-queue", "a watcher this far behind is sent "
-        "too_slow and disconnected (default 1 MiB)", "BYTES", type=int,
+        "too_slow and disconnected (default 1 MiB)", "BYTES", type=BYTES,
     )  # fmt: skip
     log_level: str = option(
         "info", "--log-level", "default $TOWERD_LOG_LEVEL, else info", env="TOWERD_LOG_LEVEL",
