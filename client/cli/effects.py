@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from towerd.client.cli.output import EXIT_EPILOG, UsageError, json_arg, table
 from towerd.client.cli.registry import REPO, Commands, arg
+from towerd.client.cli.seconds import Seconds
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -104,7 +105,7 @@ def _effect_run_options() -> list[Arg]:
         ),
         arg(
             "--heartbeat",
-            type=float,
+            type=Seconds(),
             default=30.0,
             metavar="SECONDS",
             help="heartbeat interval while CMD runs (default: 30)",
@@ -171,7 +172,7 @@ COMMANDS.group("lock", "run a command holding a lock")
         arg(
             "--timeout",
             dest="wait_timeout",
-            type=float,
+            type=Seconds(zero=True),
             default=30.0,
             metavar="S",
             help="seconds to wait for the lock (default: 30); then exit 121",

@@ -20,6 +20,7 @@ whatever this accepts argparse parses to the same namespace.
 from __future__ import annotations
 
 from towerd.client.cli.output import is_utf8
+from towerd.client.cli.seconds import Seconds
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ LEAN_COMMANDS = {
 GLOBALS: dict[str, tuple[str, Any]] = {
     "--socket": ("socket", str),
     "--principal": ("principal", str),
-    "--timeout": ("timeout", float),
+    "--timeout": ("timeout", Seconds()),  # registry.add_global_options declares it
     "--json": ("json", None),
 }
 GLOBAL_DEFAULTS = {"socket": None, "json": False, "principal": None, "timeout": None}
@@ -103,7 +104,7 @@ def _specs(command: Command) -> tuple[dict[str, tuple[str, Any, Arg]], list[Arg]
             convert = None
         elif action is None and spec.options.get("nargs") is None:
             convert = spec.options.get("type", str)
-            if convert not in (str, int, float):
+            if convert not in (str, int, float) and not isinstance(convert, Seconds):
                 raise Unsupported(f"{spec.names}: type {convert!r}")
         else:
             raise Unsupported(f"{spec.names}: action {action!r}")
@@ -115,7 +116,7 @@ def _specs(command: Command) -> tuple[dict[str, tuple[str, Any, Arg]], list[Arg]
 def _convert(convert: Any, value: str, spec: Arg | None) -> Any:
     try:
         converted = convert(value)
-    except ValueError:
+    except Exception:  # noqa: BLE001 - ValueError, or a range's refusal: argparse says which
         return _REFUSED
     if spec is not None and "choices" in spec.options and converted not in spec.options["choices"]:
         return _REFUSED

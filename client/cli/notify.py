@@ -5,6 +5,7 @@ when the command runs."""
 from __future__ import annotations
 
 from towerd.client.cli.registry import Commands, arg
+from towerd.client.cli.seconds import Seconds
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ EPILOG = (
         ),
         arg(
             "--exec-timeout",
-            type=float,
+            type=Seconds(),
             default=30.0,
             metavar="SECONDS",
             help="kill a command (and what it started) still running after this long (default 30)",

@@ -13,6 +13,7 @@ costs ~4 ms of a hook's budget).
 from __future__ import annotations
 
 from towerd.client.cli.output import render
+from towerd.client.cli.seconds import Seconds
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> No
     )
     group.add_argument(
         "--timeout",
-        type=float,
+        type=Seconds(),
         default=default(None),
         help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT:g}; `fleet restore`: "
         "for each session's SessionStart, default 60)",

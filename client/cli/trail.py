@@ -11,6 +11,7 @@ from __future__ import annotations
 from towerd.client.agents import DEFAULT_GUARD
 from towerd.client.cli.output import table
 from towerd.client.cli.registry import Commands, arg
+from towerd.client.cli.seconds import Seconds
 from towerd.protocol.fields import AGENTS, GUARD_POLICIES, MESSAGE_STATUSES
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
@@ -195,7 +196,7 @@ def cmd_message_ack(client: Client, args: argparse.Namespace) -> Any:
     options=[
         arg(
             "--refresh",
-            type=float,
+            type=Seconds(),
             default=1.0,
             metavar="SECONDS",
             help="redraw at least this often (default 1)",
