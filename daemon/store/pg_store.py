@@ -333,7 +333,7 @@ class PgStore(Store):
         same key is safe), so a caller never waits on an unreachable server for long."""
         future = super().write(fn, *args)
         if not future.done():
-            handle = asyncio.get_running_loop().call_later(CALL_DEADLINE_S, self._give_up, future)
+            handle = self._loop.call_later(CALL_DEADLINE_S, self._give_up, future)
             future.add_done_callback(lambda _done: handle.cancel())
         return future
 

@@ -146,6 +146,10 @@ class Store:
         db_path: Path,
     ) -> None:
         self.config = config
+        # The loop that serves this store. Kept, not looked up per write: on Python 3.11
+        # asyncio.get_running_loop() makes a getpid system call every time (strace: one
+        # per request at 64 clients).
+        self._loop = asyncio.get_running_loop()
         self.daemon_id = identity.daemon_id
         self.owner_epoch = identity.owner_epoch
         self.reconciliation = reconciliation
@@ -208,7 +212,7 @@ class Store:
         Returns a future resolved once that batch has committed (so a reply sent
         from it confirms a durable write); no task is needed to wait for it.
         """
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[T] = self._loop.create_future()
         if self.lost_reason is not None:
             future.set_exception(self._lost_error())
             return future
@@ -225,7 +229,7 @@ class Store:
         self._queue.append(job)
         if not self._drain_scheduled:
             self._drain_scheduled = True
-            asyncio.get_running_loop().call_soon(self._drain)
+            self._loop.call_soon(self._drain)
         return future
 
     def read_now(self, fn: Callable[..., T], *args: Any) -> T:
@@ -251,7 +255,7 @@ class Store:
                 conn.execute("BEGIN")
                 self._reading = True
                 if self.inline_reads:  # shared for a millisecond or until a write batch
-                    asyncio.get_running_loop().call_later(SHARED_READ_S, self._end_read)
+                    self._loop.call_later(SHARED_READ_S, self._end_read)
             try:
                 tx = Tx(conn, self.daemon_id, self.owner_epoch, self._read_clock(),
                         config=self.config, one_box=self.one_box)  # fmt: skip
@@ -426,7 +430,7 @@ class Store:
         """The hold's fallback, should a writer not come back: loops run timers by the
         millisecond (uvloop runs one due in 300 us at once, asyncio after ~1 ms), so the
         timer looks again every millisecond until the hold is over."""
-        self._hold_timer = asyncio.get_running_loop().call_later(0.001, self._hold_over)
+        self._hold_timer = self._loop.call_later(0.001, self._hold_over)
 
     def _hold_over(self) -> None:
         self._hold_timer = None
@@ -457,7 +461,7 @@ class Store:
             if waited < self.config.busy_timeout_ms / 1000:
                 self._locked = batch
                 retry = functools.partial(self._retry_locked, batch, pause, waited + pause)
-                asyncio.get_running_loop().call_later(pause, retry)
+                self._loop.call_later(pause, retry)
                 return
             _fail_all(batch, _write_lock_held(waited))
         self._stamp_batch(stages.BACK)
