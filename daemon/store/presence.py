@@ -21,10 +21,10 @@ may still commit, and its declaration went unlogged.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import structlog
 
 from towerd.daemon.store import idempotency, leases, liveness, reconcile
@@ -85,7 +85,7 @@ def log_declared(changes: list[tuple[str, Any]]) -> None:
 
 def settle_box(tx: Tx, box: str) -> liveness.LivenessReport:
     """Everything ``box`` held, settled as that box with every holder dead."""
-    as_box = dataclasses.replace(tx, daemon_id=box, one_box=False, as_dead_box=True)
+    as_box = msgspec.structs.replace(tx, daemon_id=box, one_box=False, as_dead_box=True)
     holders, _silent = liveness.to_check(as_box, tx.config.worker_ttl_ms)
     report = liveness.settle(as_box, holders, tx.config.worker_ttl_ms)
     # Keys held by no process (a claim without a holder) were held across a daemon that

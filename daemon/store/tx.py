@@ -23,9 +23,12 @@ _packer = msgspec.msgpack.Encoder()
 _unpacker = msgspec.msgpack.Decoder()
 
 
-@dataclass(frozen=True, slots=True)
-class Tx:
+class Tx(msgspec.Struct, frozen=True):
     """A store function's context; ``now`` is one clock reading per transaction.
+
+    A frozen Struct, not a frozen dataclass: one is made per point read and per write
+    batch, and a frozen dataclass's ``__init__`` (``object.__setattr__`` per field) took
+    ~0.9 us of a cold read's ~8, the Struct ~0.1 us.
 
     ``changes`` collects what a write changed, as ``(topic, data)`` notes, for the
     ``watch`` subscribers; the writer publishes the notes of committed requests

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from towerd.daemon.processes import Holder, holder_of
 from towerd.daemon.store import DB_FILE, Store, StoreConfig, fleet, open_store
 from towerd.daemon.store.tx import Caller, Tx
@@ -217,7 +219,7 @@ def at(shift_ms: int, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run on a Tx whose clock reads ``shift_ms`` later than the writer's."""
 
     def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=tx.now + shift_ms), *args)
+        return fn(msgspec.structs.replace(tx, now=tx.now + shift_ms), *args)
 
     return run
 
@@ -226,7 +228,7 @@ def clock(now: int, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run on a Tx whose clock reads exactly ``now``."""
 
     def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, now=now), *args)
+        return fn(msgspec.structs.replace(tx, now=now), *args)
 
     return run
 
@@ -235,7 +237,8 @@ def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
     """``fn`` run on a Tx whose store settings (``tx.config``) have ``settings`` changed."""
 
     def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
+        config = dataclasses.replace(tx.config, **settings)
+        return fn(msgspec.structs.replace(tx, config=config), *args)
 
     return run
 

@@ -7,11 +7,11 @@ daemon id (``opened(root, daemon_id=...)``). Whether the store is shared is ``tx
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from store_helpers import caller, clock, configured, opened, register
@@ -39,7 +39,7 @@ def on(one_box: bool, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run on a Tx of the embedded store (``one_box``) or of a shared one."""
 
     def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, one_box=one_box), *args)
+        return fn(msgspec.structs.replace(tx, one_box=one_box), *args)
 
     return run
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from store_helpers import (
@@ -690,7 +690,7 @@ async def test_a_shared_store_adopts_no_box_that_is_not_dead(short_tmp: Path, st
 
         def adopt_as(one_box: bool) -> Any:
             def run(tx: Tx, *args: Any) -> Any:
-                return fleet.adopt_fleet(dataclasses.replace(tx, one_box=one_box), *args)
+                return fleet.adopt_fleet(msgspec.structs.replace(tx, one_box=one_box), *args)
 
             return store.write(run, caller("ops"), FleetAdoptParams(daemon_a))
 

@@ -3,7 +3,6 @@ transition and refusal, isolation and concurrency."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -162,7 +161,7 @@ def counted(fn: Any, verbs: list[str]) -> Any:
     def run(tx: Tx, *args: Any) -> Any:
         counting = _CountingConnection(tx.conn)
         try:
-            return fn(dataclasses.replace(tx, conn=counting), *args)
+            return fn(msgspec.structs.replace(tx, conn=counting), *args)
         finally:
             verbs.extend(counting.verbs)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from store_helpers import at, caller, opened
@@ -43,7 +44,8 @@ def configured(fn: Callable[..., Any], **settings: Any) -> Callable[..., Any]:
     """``fn`` run on a Tx whose config has ``settings`` (as ``towerd --kv-max-value`` etc.)."""
 
     def run(tx: Tx, *args: Any) -> Any:
-        return fn(dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings)), *args)
+        config = dataclasses.replace(tx.config, **settings)
+        return fn(msgspec.structs.replace(tx, config=config), *args)
 
     return run
 

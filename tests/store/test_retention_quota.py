@@ -79,7 +79,7 @@ TABLES = ("idempotency", "kv", "messages", "events", "effects", "leases", "lease
 
 def with_config(tx: Tx, **settings: Any) -> Tx:
     """``tx`` with these of its settings replaced (``quota_rows``, ``kv_max_value``, ...)."""
-    return dataclasses.replace(tx, config=dataclasses.replace(tx.config, **settings))
+    return msgspec.structs.replace(tx, config=dataclasses.replace(tx.config, **settings))
 
 
 def call(
