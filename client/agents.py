@@ -61,7 +61,11 @@ _CLAUDE_PATH_FIELDS = {
     "NotebookEdit": "notebook_path",
 }
 _CODEX_PATCH_TOOLS = frozenset({"apply_patch", "Edit", "Write"})  # Edit/Write: its aliases
-_PATCH_HEADERS = ("*** Add File: ", "*** Update File: ", "*** Delete File: ", "*** Move to: ")
+# Codex's patch markers (codex-rs apply-patch, parser.rs).
+_ADD, _DELETE, _UPDATE, _MOVE = (
+    "*** Add File: ", "*** Delete File: ", "*** Update File: ", "*** Move to: "
+)  # fmt: skip
+_HEREDOC_OPENERS = ("<<EOF", "<<'EOF'", '<<"EOF"')  # its lenient mode's wrapper
 MAX_TARGETS = 256  # paths guarded per tool call at most (a larger patch guards its first 256)
 
 
@@ -80,16 +84,41 @@ def edit_targets(agent: str, hook: dict[str, Any]) -> list[str] | None:
     if tool in _CODEX_PATCH_TOOLS or (isinstance(patch, str) and patch.startswith("*** Begin")):
         if not isinstance(patch, str):
             return None
-        lines = [line.strip() + " " for line in patch.splitlines()]  # " ": "Add File: "
-        paths = [
-            line[len(header) :].strip()
-            for line in lines
-            for header in _PATCH_HEADERS
-            if line.startswith(header)
-        ]
-        paths = [path for path in dict.fromkeys(paths) if path and "\0" not in path]
+        paths = [path for path in dict.fromkeys(patch_paths(patch)) if path and "\0" not in path]
         return paths[:MAX_TARGETS] or None
     return None
+
+
+def patch_paths(patch: str) -> list[str]:
+    """The files a Codex patch writes, read the way Codex's own parser reads them, so that
+    the path guarded is the file Codex will write. A hunk header is its line with the
+    whitespace around it trimmed, and the path is all that follows the marker: spaces at
+    its start are part of the name (" a.py" is not "a.py"). ``*** Move to: `` counts only
+    on the line right after an Update header, untrimmed. Lines inside a hunk (an added
+    file's ``+`` lines, an update's chunk lines up to the next line starting with ``*``)
+    are content, never headers, even when they read like one."""
+    lines = patch.strip().splitlines()
+    if len(lines) >= 4 and lines[0] in _HEREDOC_OPENERS and lines[-1].endswith("EOF"):
+        lines = lines[1:-1]
+    paths: list[str] = []
+    index = 0
+    while index < len(lines):
+        header = lines[index].strip()
+        index += 1
+        if header.startswith(_ADD):
+            paths.append(header[len(_ADD) :])
+            while index < len(lines) and lines[index].startswith("+"):
+                index += 1
+        elif header.startswith(_DELETE):
+            paths.append(header[len(_DELETE) :])
+        elif header.startswith(_UPDATE):
+            paths.append(header[len(_UPDATE) :])
+            if index < len(lines) and lines[index].startswith(_MOVE):
+                paths.append(lines[index][len(_MOVE) :])
+                index += 1
+            while index < len(lines) and not lines[index].startswith("*"):
+                index += 1
+    return paths
 
 
 def resolve(path: str, cwd: str | None) -> str:

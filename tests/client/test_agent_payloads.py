@@ -51,6 +51,36 @@ def test_edit_targets(agent, hook, expected):
     assert edit_targets(agent, hook) == expected
 
 
+# Read as Codex's parser (codex-rs apply-patch parser.rs) reads them: the path guarded is
+# the file Codex writes.
+CODEX_READS = [
+    # A name's leading spaces are the name's: " spaced.py" is another file than
+    # "spaced.py" (the old reader stripped them, guarding the wrong file).
+    ("*** Begin Patch\n*** Update File:  spaced.py\n@@\n-a\n+b\n*** End Patch",
+     [" spaced.py"]),
+    ("*** Begin Patch\n*** Update File: a.py\n*** Move to:  b.py\n@@\n-a\n+b\n*** End Patch",
+     ["a.py", " b.py"]),
+    # A hunk's content is never a header, even when it reads like one.
+    ("*** Begin Patch\n*** Update File: a.py\n@@\n *** Update File: other.py\n-x\n+y\n"
+     "*** End Patch", ["a.py"]),
+    ("*** Begin Patch\n*** Add File: notes.md\n+*** Delete File: keep.py\n*** End Patch",
+     ["notes.md"]),
+    # Whitespace around a header line is trimmed, as Codex does; a Move line is taken as
+    # written, on the line right after its Update header only.
+    ("*** Begin Patch\n   *** Update File: a.py   \n@@\n-a\n+b\n*** End Patch", ["a.py"]),
+    ("*** Begin Patch\n*** Update File: a.py\n@@\n-a\n+b\n*** Move to: c.py\n*** End Patch",
+     ["a.py"]),
+    # The heredoc wrapper Codex's lenient mode accepts.
+    ("<<'EOF'\n*** Begin Patch\n*** Delete File: gone.py\n*** End Patch\nEOF", ["gone.py"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("patch", "expected"), CODEX_READS)
+def test_a_patch_is_read_as_codex_reads_it(patch, expected):
+    hook = {"tool_name": "apply_patch", "tool_input": {"command": patch}}
+    assert edit_targets("codex", hook) == expected
+
+
 def test_resolve_takes_relative_paths_from_the_agents_cwd_and_follows_links(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
