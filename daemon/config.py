@@ -69,8 +69,10 @@ def _plain(value: float) -> str:
 MAX_SECONDS = 10 * 365 * 86_400.0  # ten years: far beyond any sane period, inside timers
 MAX_COUNT = 2**62  # an integer SQLite and msgpack both store
 MAX_DAYS = 36_500.0
-SECONDS = Number(float, 0, above=True)  # a period, a timeout or a lifetime
-DAYS = Number(float, 0, above=True, most=MAX_DAYS)
+# A period, a timeout or a lifetime: at least a millisecond (the store keeps them in
+# ms, so less is 0, and a period under it is a loop that never sleeps).
+SECONDS = Number(float, 0.001)
+DAYS = Number(float, 0.00001, most=MAX_DAYS)  # about a second at least
 COUNT = Number(int, 1)  # a number of things that must allow at least one
 BYTES = Number(int, 1, most=1 << 30)  # a size limit
 FRAME_BYTES = Number(int, 1024, most=1 << 30)  # hello, errors and pings fit in 1 KiB

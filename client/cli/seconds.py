@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import math
 
-MOST = 10 * 365 * 86_400.0  # ten years: beyond any wait, inside every timer
+# poll() takes an int of milliseconds: 2147483 s (~24.8 days) is the longest wait the
+# blocking client can make (more raised OverflowError from select.poll).
+MOST = 2_147_483.0
+LEAST = 0.001  # a millisecond: below it a wait or a period is 0 in every timer used
 
 
 class Seconds:
-    """``Seconds()``: above 0; ``Seconds(zero=True)``: 0 or more."""
+    """``Seconds()``: a millisecond or more; ``Seconds(zero=True)``: 0 or more."""
 
     def __init__(self, *, zero: bool = False) -> None:
         self.zero = zero
@@ -24,14 +27,15 @@ class Seconds:
 
     def __call__(self, text: str) -> float:
         value = float(text)  # ValueError: argparse says "invalid seconds value"
-        if math.isfinite(value) and (value >= 0 if self.zero else value > 0) and value <= MOST:
+        least_ok = value >= 0 if self.zero else value >= LEAST
+        if math.isfinite(value) and least_ok and value <= MOST:
             return value
         import argparse  # only on this error path: hooks never pay for it
 
         raise argparse.ArgumentTypeError(f"{text!r} is out of range: {self.describe()}")
 
     def describe(self) -> str:
-        return f"seconds {'>=' if self.zero else '>'} 0 and <= {int(MOST)}"
+        return f"seconds >= {0 if self.zero else LEAST:g} and <= {int(MOST)}"
 
     def __repr__(self) -> str:
         return f"Seconds(zero={self.zero})"

@@ -393,7 +393,6 @@ def test_desktop_without_notify_send_fails_at_start(short_tmp):
         (),
         ("--exec", "true", "--desktop"),
         ("--exec", " "),
-        ("--exec", "true", "--exec-timeout", "0"),
     ],  # fmt: skip
 )
 def test_notify_usage_errors(short_tmp, args):
@@ -403,6 +402,18 @@ def test_notify_usage_errors(short_tmp, args):
     )  # fmt: skip
     assert r.returncode == 2 and r.stdout == "", r
     assert r.stderr.startswith("towerctl: "), r.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "nan", "inf", "-1"])
+def test_notify_refuses_an_exec_timeout_out_of_range(short_tmp, value):
+    """Its type's range (client/cli/seconds.py), refused by argparse before anything runs."""
+    r = subprocess.run(
+        [TOWERCTL, "--socket", str(short_tmp / "none.sock"), "notify", "--exec", "true",
+         f"--exec-timeout={value}"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2 and r.stdout == "", r
+    assert f"argument --exec-timeout: '{value}' is out of range" in r.stderr, r.stderr
 
 
 # --- install-systemd --notify -----------------------------------------------------------
