@@ -70,6 +70,21 @@ CODEX_READS = [
     ("*** Begin Patch\n   *** Update File: a.py   \n@@\n-a\n+b\n*** End Patch", ["a.py"]),
     ("*** Begin Patch\n*** Update File: a.py\n@@\n-a\n+b\n*** Move to: c.py\n*** End Patch",
      ["a.py"]),
+    # Lines split and trimmed as Rust's str::lines and str::trim do, not as Python's
+    # splitlines and strip: a header line ending in a form feed, a stray \r or U+2028 is
+    # still followed by its Move line (the first reader lost it: an unguarded move), and
+    # a name keeps \x1f (not Rust whitespace) and an inner form feed.
+    ("*** Begin Patch\n*** Update File: a.py\x0c\n*** Move to: b.py\n@@\n-x\n+y\n*** End Patch",
+     ["a.py", "b.py"]),
+    ("*** Begin Patch\r\n*** Update File: a.py\r\r\n*** Move to: b.py\r\n@@\r\n-x\r\n+y\r\n"
+     "*** End Patch\r\n", ["a.py", "b.py"]),
+    ("*** Begin Patch\n*** Update File: a.py\u2028\n*** Move to: b.py\n@@\n-x\n+y\n*** End Patch",
+     ["a.py", "b.py"]),
+    ("*** Begin Patch\n*** Add File: a.py\x1f\n+x\n*** Delete File: a\x0cb.py\n*** End Patch",
+     ["a.py\x1f", "a\x0cb.py"]),
+    # "*** End of File" ends a chunk, not the hunk: what follows is still its content.
+    ("*** Begin Patch\n*** Update File: a.py\n@@\n-x\n*** End of File\n@@\n *** Add File: v.py\n"
+     "+y\n*** Delete File: c.py\n*** End Patch", ["a.py", "c.py"]),
     # The heredoc wrapper Codex's lenient mode accepts.
     ("<<'EOF'\n*** Begin Patch\n*** Delete File: gone.py\n*** End Patch\nEOF", ["gone.py"]),
 ]  # fmt: skip

@@ -283,6 +283,27 @@ def test_codex_apply_patch_is_guarded_too(agents, worktree: Path):
     assert done["stdout"] == ""
 
 
+@pytest.mark.parametrize("ending", ["", "\x0c", "\r\r", "\u2028"])
+def test_a_codex_move_onto_a_held_file_is_denied_whatever_the_line_ending(
+    agents, worktree: Path, ending: str
+):
+    """Codex splits a patch at \\n only and trims Unicode whitespace; a header line ending
+    in a form feed, a stray \\r or U+2028 is still followed by its Move line. The first
+    reader of this patch (Python's splitlines) lost that line: the move onto b.py, held by
+    another session, was allowed."""
+    codex = codex_commands(agents.home)
+    a, b = agents(), agents(codex)
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit("b.py") is None
+    patch = (
+        f"*** Begin Patch\n*** Update File: a.py{ending}\n*** Move to: b.py\n@@\n-a = 1\n"
+        "+a = 2\n*** End Patch\n"
+    )
+    done = b.hook("PreToolUse", tool_name="apply_patch", tool_input={"command": patch})
+    assert done["stdout"] and "b.py" in deny_reason(json.loads(done["stdout"]))
+
+
 def test_no_daemon_both_allowed_silently(tmp_path: Path, worktree: Path):
     home = tmp_path / "home"
     home.mkdir()
