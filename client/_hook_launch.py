@@ -2,11 +2,10 @@
 
 Run as ``<python> -I -S <this file's absolute path> COMMAND ...`` (what ``towerctl hooks
 install`` wires): the same command line and behaviour as ``towerctl COMMAND ...``, but
-with ``-S`` no ``site`` runs, so the venv's ``.pth`` files (an editable install's import
-finder: pathlib, fnmatch and re, ~9-13 ms a process) are not paid; ``-I`` keeps PYTHON*
-variables, the user's site and the current directory off ``sys.path``. (On a regular
-install the ``towerctl`` script, client/scripts/towerctl, costs about as much: site
-runs there, but without a finder it imports little.)
+with ``-S`` no ``site`` runs, so neither the venv's ``.pth`` files (an editable install's
+import finder: pathlib, fnmatch and re, ~9-13 ms a process) nor pip's console-script
+wrapper (``import re``) are paid; ``-I`` keeps PYTHON* variables, the user's site and the
+current directory off ``sys.path``.
 
 This file then puts on ``sys.path`` what ``site`` would have: the environment's
 ``site-packages`` (msgspec and the other dependencies, for the commands that need them),
