@@ -39,7 +39,6 @@ class Number:
 
     kind: type[int] | type[float]
     least: float
-    above: bool = False  # strictly above ``least``
     most: float = 0  # 0: the kind's own sane ceiling (below)
 
     def __call__(self, text: str) -> int | float:
@@ -49,8 +48,7 @@ class Number:
             noun = "an integer" if self.kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
         most = self.most or (MAX_COUNT if self.kind is int else MAX_SECONDS)
-        low_ok = value > self.least if self.above else value >= self.least
-        if not (math.isfinite(value) and low_ok and value <= most):
+        if not (math.isfinite(value) and self.least <= value <= most):
             raise argparse.ArgumentTypeError(f"{text!r} is out of range: {self.describe()}")
         return value
 
@@ -58,7 +56,7 @@ class Number:
         """The range in words, as the refusal and the tests say it."""
         kind = "an integer" if self.kind is int else "a number"
         most = self.most or (MAX_COUNT if self.kind is int else MAX_SECONDS)
-        return f"{kind} {'>' if self.above else '>='} {_plain(self.least)} and <= {_plain(most)}"
+        return f"{kind} >= {_plain(self.least)} and <= {_plain(most)}"
 
 
 def _plain(value: float) -> str:

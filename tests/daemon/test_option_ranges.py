@@ -39,10 +39,9 @@ def test_out_of_range_values_are_refused_by_name(
     flag, number = spec.metadata["flag"], spec.metadata["argparse"]["type"]
     # Its default and the least value it allows are accepted.
     assert getattr(parse_args([flag, str(spec.default)]), name) == spec.default
-    if not number.above:
-        assert getattr(parse_args([flag, str(number.least)]), name) == number.least
+    assert getattr(parse_args([flag, str(number.least)]), name) == number.least
     too_high = str(int((number.most or 2**62 if number.kind is int else 3.2e8) * 2))
-    below = str(number.least) if number.above else str(number.least / 10 or -0.5)
+    below = str(number.least / 10 or -0.5)
     for bad in ("nan", "inf", "-inf", "-1", below, too_high, "", "twelve"):
         with pytest.raises(SystemExit) as exit_info:
             parse_args([f"{flag}={bad}"])  # "=": argparse takes "-inf" alone for an option
@@ -53,7 +52,6 @@ def test_out_of_range_values_are_refused_by_name(
 
 
 def test_the_range_is_said_in_words() -> None:
-    assert Number(float, 0, above=True).describe() == "a number > 0 and <= 315360000"
     assert Number(float, 0.001).describe() == "a number >= 0.001 and <= 315360000"
     assert Number(int, 1024, most=1 << 30).describe() == "an integer >= 1024 and <= 1073741824"
 
