@@ -32,8 +32,11 @@ def towerd_executable(name: str = "towerd") -> Path:
 
 
 def render_unit(name: str, towerd: Path) -> str:
+    """The unit ``name`` with ``towerd``'s path as one word of its command line (quoted
+    when it has a space, e.g. a venv under "~/My Projects": unquoted, systemd took the
+    path's first word for the program and the unit could not start)."""
     template = resources.files("towerd.systemd").joinpath(name).read_text()
-    return template.replace(PLACEHOLDER, str(towerd))
+    return template.replace(PLACEHOLDER, unit_word(str(towerd)))
 
 
 _SAFE_WORD = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-=:,./@")

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from towerd.client.systemd_units import UNITS, install_units
+from towerd.client.systemd_units import UNITS, install_units, render_unit, towerd_executable
 from towerd_testing import Daemon, wait_for
 
 
@@ -111,3 +111,26 @@ def test_sigterm_finishes_in_flight_requests(daemon):
     with pytest.raises(Unavailable):
         client.ping()
     client.close()
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_a_towerd_path_with_a_space_is_one_word_of_execstart(short_tmp):
+    """A venv under a directory with a space: ExecStart names the whole path (quoted), and
+    systemd-analyze finds the program (unquoted it read "/.../a" and refused the unit)."""
+    spaced = short_tmp / "my venvs" / "bin"
+    spaced.mkdir(parents=True)
+    (spaced / "towerd").symlink_to(towerd_executable())
+    units = short_tmp / "units"
+    units.mkdir()
+    for name in UNITS:
+        (units / name).write_text(render_unit(name, spaced / "towerd"))
+    service = (units / "towerd.service").read_text()
+    assert f'ExecStart="{spaced}/towerd" --socket' in service
+    runtime = short_tmp / "runtime"
+    runtime.mkdir(mode=0o700)
+    verify = subprocess.run(
+        ["systemd-analyze", "--user", "verify", *[str(units / name) for name in UNITS]],
+        capture_output=True, text=True, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
+        timeout=60,
+    )  # fmt: skip
+    assert verify.returncode == 0 and verify.stderr.strip() == "", verify.stderr
