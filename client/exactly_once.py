@@ -440,6 +440,20 @@ def error_out(
     return status
 
 
+def _warn_rare_heartbeat(args: argparse.Namespace) -> None:
+    """Say so when ``--heartbeat`` is more than half the effect's lease (``--lease-ttl``,
+    else the daemon's default; the effect's own timeout is that default too): the lease
+    can lapse while CMD runs, and a CMD that then succeeds ends ``uncertain`` (exit 120)
+    for a person to resolve. Not refused: a test of that lapse wants it."""
+    from towerd.protocol.schema.effects import DEFAULT_LEASE_TTL_MS
+
+    silence_s = min(args.lease_ttl or DEFAULT_LEASE_TTL_MS, DEFAULT_LEASE_TTL_MS) / 1000
+    if args.heartbeat and args.heartbeat > silence_s / 2:
+        note(args, f"--heartbeat {args.heartbeat:g} s is more than half the effect's lease "
+             f"({silence_s:g} s): the lease can lapse while CMD runs, and the effect then "
+             f"ends uncertain (exit 120); give at most {silence_s / 2:g}")  # fmt: skip
+
+
 def note(args: argparse.Namespace, text: str) -> None:
     """A line for the person in text mode (stderr: stdout is CMD's)."""
     if not args.json:
@@ -785,6 +799,7 @@ def effect_run(args: argparse.Namespace) -> int:
                      "give --repo, --remote, --commit and --ref to make it probeable")  # fmt: skip
     elif any(getattr(args, option[2:]) for option in GIT_TARGET_OPTIONS):
         raise UsageError("effect run: --repo, --remote, --commit and --ref are for --kind git-push")
+    _warn_rare_heartbeat(args)
     spec = EffectSpec(
         args.run_id, args.step, args.kind, args.target, payload, args.attempt,
         heartbeat_interval=args.heartbeat, lease_ttl_ms=args.lease_ttl, git=git,
