@@ -15,8 +15,9 @@ How it stays live, and why this way:
   say which state it left), attention from the newest event, which leases still
   live (lease and dispatch notes are audit events, not records); a re-read cannot
   drift from them, and costs one short read per refresh. Re-reads are coalesced, at
-  most one per ``--refresh`` seconds (a burst of hook events costs one read, a lone
-  change shows at once), and everything is re-read every 30 s as a safety net. The screen is
+  most one per ``--refresh`` seconds or per second, whichever is shorter (a burst of hook
+  events costs one read, a lone change shows at once: a long ``--refresh`` once held
+  every change back that long), and everything is re-read every 30 s as a safety net. The screen is
   redrawn at least every ``--refresh`` seconds (relative times, lease countdowns).
 * A watcher the daemon drops as ``too_slow`` watches again (a fresh snapshot). A
   lost daemon shows a red banner over the last state read while the thread
@@ -61,6 +62,7 @@ SHOWN = frozenset({"fleet", "idem", "leases", "effects", "dispatch"})  # events 
 STUCK = "stuck"  # a pseudo-topic: the stuck-loop reports of the open workers' projects
 CLIENT_NAME = "towerctl-top"
 FULL_REREAD_S = 30.0
+COALESCE_S = 1.0  # changes within this long (or --refresh, if shorter) cost one read
 RESOLVED_BY = {"resolved_by": "towerctl top"}
 CHOICES = {
     "key": {"c": "completed", "a": "abandoned"},
@@ -279,7 +281,7 @@ class Dashboard:
             self.last_full = now
         if not self.dirty or not self.watching:
             return
-        if not force and now - self.last_read < self.refresh:
+        if not force and now - self.last_read < self._coalesce():
             return
         topics = self.dirty & SHOWN
         try:
@@ -296,10 +298,19 @@ class Dashboard:
         self.dirty.clear()
         self._mark_read()
 
+    def _coalesce(self) -> float:
+        return min(self.refresh, COALESCE_S)
+
     def wait_time(self) -> float:
-        if self.dirty and self.watching:
-            return max(0.0, min(self.refresh, self.last_read + self.refresh - time.monotonic()))
-        return self.refresh
+        """How long to wait for input or a change: until the screen's next redraw, the
+        coalesced re-read of a change, or the safety net's full re-read, the soonest."""
+        now = time.monotonic()
+        wait = self.refresh
+        if self.watching:
+            wait = min(wait, max(0.0, self.last_full + FULL_REREAD_S - now))
+            if self.dirty:
+                wait = min(wait, max(0.0, self.last_read + self._coalesce() - now))
+        return wait
 
     # --- the screen --------------------------------------------------------------------------
 

@@ -251,6 +251,23 @@ def test_top_follows_the_fleet_and_resolves_in_a_real_terminal(make_daemon, shor
     assert daemon.stop() == 0, daemon.log()
 
 
+def test_a_long_refresh_still_shows_a_change_at_once(make_daemon, short_tmp):
+    """--refresh is how often the screen is redrawn at least, not how long a change may
+    wait: with --refresh 3600, a session registered after the first frame shows within
+    seconds (the re-read throttle was --refresh itself, and held it back an hour)."""
+    daemon = make_daemon().start()
+    with daemon.client() as client:
+        register(client, APP, "claude", "first", "SessionStart")
+        screen = Screen(short_tmp)
+        try:
+            screen.start(f"{TOWERCTL} --socket {daemon.socket_path} top --refresh 3600")
+            screen.wait_for(lambda s: len(fleet(s)) == 1, "the first frame")
+            register(client, WEB, "claude", "second", "SessionStart")
+            screen.wait_for(lambda s: len(fleet(s)) == 2, "the new session, without a key press")
+        finally:
+            screen.kill()
+
+
 def test_without_a_terminal_top_prints_one_frame_or_the_snapshot(daemon):
     with daemon.client() as client:
         register(client, APP, "claude", "fix-login", "Notification")
