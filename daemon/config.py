@@ -39,7 +39,11 @@ class Number:
 
     kind: type[int] | type[float]
     least: float
-    most: float = 0  # 0: the kind's own sane ceiling (below)
+    most: float = 0  # 0: the kind's own sane ceiling (``ceiling``)
+
+    @property
+    def ceiling(self) -> float:
+        return self.most or (MAX_COUNT if self.kind is int else MAX_SECONDS)
 
     def __call__(self, text: str) -> int | float:
         try:
@@ -47,16 +51,14 @@ class Number:
         except ValueError:
             noun = "an integer" if self.kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        most = self.most or (MAX_COUNT if self.kind is int else MAX_SECONDS)
-        if not (math.isfinite(value) and self.least <= value <= most):
+        if not (math.isfinite(value) and self.least <= value <= self.ceiling):
             raise argparse.ArgumentTypeError(f"{text!r} is out of range: {self.describe()}")
         return value
 
     def describe(self) -> str:
         """The range in words, as the refusal and the tests say it."""
         kind = "an integer" if self.kind is int else "a number"
-        most = self.most or (MAX_COUNT if self.kind is int else MAX_SECONDS)
-        return f"{kind} >= {_plain(self.least)} and <= {_plain(most)}"
+        return f"{kind} >= {_plain(self.least)} and <= {_plain(self.ceiling)}"
 
 
 def _plain(value: float) -> str:

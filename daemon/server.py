@@ -199,7 +199,8 @@ class Connection(asyncio.Protocol):
         self.send_timer: asyncio.TimerHandle | None = None
         self.hello_timer: asyncio.TimerHandle | None = None
         self.subscription: Subscription | None = None  # set once this peer sent ``watch``
-        self.spinner = server.spinner
+        # None when --spin-us is 0 (the default): then an answer costs no call for it.
+        self.spinner = server.spinner if server.spinner.window_s else None
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -599,7 +600,8 @@ class Connection(asyncio.Protocol):
             transport.write(frame)
             return
         transport.write(frame)
-        if self.caller is not None:  # not for a peer refused at connect (another uid)
+        # Not for a peer refused at connect (another uid): it buys no poll.
+        if self.spinner is not None and self.caller is not None:
             self.spinner.answered()
         if transport.get_write_buffer_size() > self.limits.max_outbound_bytes:
             self.drop(outbound_bytes=transport.get_write_buffer_size())
