@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import sqlite3
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -240,3 +242,66 @@ def test_concurrent_backups_never_leave_a_database_the_next_start_refuses(daemon
     daemon.start()
     with daemon.client() as client:
         assert client.idem_get("push", "before")["state"] == "completed"
+
+
+def _traced_by(pid: int, tracer: int) -> bool:
+    """Whether every thread of ``pid`` is stopped under ``tracer`` (strace attached)."""
+    tasks = list((Path("/proc") / str(pid) / "task").iterdir())
+    return bool(tasks) and all(
+        f"TracerPid:\t{tracer}\n" in (task / "status").read_text() for task in tasks
+    )
+
+
+@pytest.mark.skipif(
+    shutil.which("strace") is None or os.geteuid() != 0,
+    reason="needs strace(1) and root to fail one of the daemon's renames",
+)
+def test_a_failed_rotation_after_a_half_recorded_one_leaves_a_database_the_next_start_takes(
+    daemon, short_tmp
+):
+    """A backup's rotation whose last record write fails (the database took the new
+    generation, the record still accepts the old and the new), then a backup whose
+    rotation cannot write the database (another process holds SQLite's write lock):
+    the daemon used to keep the old generation as current after the first, so the
+    second recorded old + newest, leaving out the one the database holds, and the
+    next ordinary start refused the current database as a restored copy. The first
+    fault is real (strace makes the kernel fail that rename with ENOSPC), the second a
+    real lock; the start must take the database, and an older backup stay refused."""
+    from towerd_testing import towerctl, wait_for
+
+    _complete(daemon, "before")
+    older = short_tmp / "older.db"
+    towerctl(daemon, "backup", str(older), check=True)
+    # The renames of a backup: the copy into place, the record accepting both
+    # generations, then the record accepting the new one only: that third one fails.
+    trace = short_tmp / "renames.trace"
+    strace = subprocess.Popen(
+        ["strace", "-qq", "-f", "-o", str(trace), "-e", "trace=rename,renameat,renameat2",
+         "-e", "inject=rename,renameat,renameat2:error=ENOSPC:when=3", "-p", str(daemon.pid)],
+    )  # fmt: skip
+    try:
+        wait_for(lambda: _traced_by(daemon.pid, strace.pid), what="strace attached")
+        towerctl(daemon, "backup", str(short_tmp / "first.db"), check=True)
+    finally:
+        strace.terminate()
+        strace.wait(10)
+    renames = trace.read_text()
+    assert renames.count("(INJECTED)") == 1, renames
+    injected = next(line for line in renames.splitlines() if "(INJECTED)" in line)
+    assert injected.split(", ")[-1].startswith(f'"{daemon.state_dir / "generation"}"'), renames
+    assert len((daemon.state_dir / "generation").read_text().split()) == 2
+
+    with sqlite3.connect(daemon.state_dir / "towerd.db", isolation_level=None) as holder:
+        holder.execute("BEGIN IMMEDIATE")  # past the daemon's busy timeout (5 s)
+        towerctl(daemon, "backup", str(short_tmp / "second.db"), check=True)
+        holder.execute("COMMIT")
+    assert "generation_not_rotated" in daemon.log()
+
+    _complete(daemon, "after")
+    assert daemon.stop() == 0
+    daemon.start()  # refused (exit 78) before the fix
+    with daemon.client() as client:
+        assert client.idem_get("push", "after")["state"] == "completed"
+    assert daemon.stop() == 0
+    _put_back(daemon, older)
+    _refused_as_older(daemon)
