@@ -44,6 +44,7 @@ import msgspec
 import structlog
 
 from towerd.daemon import stages
+from towerd.daemon.bursts import AnswerBursts
 from towerd.daemon.handlers import Caller, Handlers
 from towerd.daemon.listen import BACKLOG
 from towerd.daemon.processes import holder_of, peer_credentials
@@ -114,6 +115,7 @@ class Server:
     ) -> None:
         self.handlers = handlers
         self.spinner = Spinner(spin_us)  # --spin-us: poll after an answer (0, the default: off)
+        self.bursts = AnswerBursts()  # a pass's answers leave together (daemon/bursts.py)
         self.watch_hub = watch_hub or WatchHub()
         self.limits = limits
         # A debug line per request: its arguments cost ~2 us to build even when the
@@ -201,6 +203,7 @@ class Connection(asyncio.Protocol):
         self.subscription: Subscription | None = None  # set once this peer sent ``watch``
         # None when --spin-us is 0 (the default): then an answer costs no call for it.
         self.spinner = server.spinner if server.spinner.window_s else None
+        self.held: bytes | None = None  # an answer waiting for the end of the pass
 
     # --- asyncio.Protocol --------------------------------------------------------------
 
@@ -288,6 +291,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.finishing = True  # the frames it sent that were not started never run
+        self.held = None
         for timer in (self.frame_timer, self.send_timer, self.hello_timer):
             if timer is not None:
                 timer.cancel()
@@ -397,7 +401,7 @@ class Connection(asyncio.Protocol):
             self.answer_failure(request, exc, started)
             return
         if not hasattr(outcome, "__await__"):  # answered now (inspect.isawaitable: 6x slower)
-            self.answer(request, outcome, started)
+            self.answer(request, outcome, started, may_hold=True)
             return
         # A write's future as it is (ensure_future's checks cost ~1 us); a coroutine's task.
         future = outcome if isinstance(outcome, asyncio.Future) else asyncio.ensure_future(outcome)
@@ -421,9 +425,16 @@ class Connection(asyncio.Protocol):
         if not self.finishing:
             self.dispatch()
         elif self.in_flight == 0:
+            self.release_held()
             self.transport.close()
 
-    def answer(self, request: Request, result: Any, started: float) -> None:
+    def answer(
+        self, request: Request, result: Any, started: float, *, may_hold: bool = False
+    ) -> None:
+        """Encode and send; ``may_hold``: an answer made while reading requests, which may
+        wait for the end of the loop's pass (daemon/bursts.py). A write's answers, sent
+        from its batch, go out at once: holding them delayed the next batch (64 clients
+        9,000-9,300 -> 7,200-7,800 ops/s in alternating runs)."""
         try:
             frame = encode_result(request.id, result)
             if len(frame) > self.reply_limit:
@@ -434,7 +445,7 @@ class Connection(asyncio.Protocol):
         except Exception as exc:  # noqa: BLE001
             self.answer_failure(request, exc, started)
             return
-        self.send(frame)
+        self.send(frame, may_hold=may_hold)
         if self.server.trace_requests:
             log.debug("request", **self.context(request, started), code=None)
 
@@ -586,12 +597,13 @@ class Connection(asyncio.Protocol):
 
     # --- output and flow control ---------------------------------------------------------
 
-    def send(self, frame: bytes) -> None:
+    def send(self, frame: bytes, *, may_hold: bool = False) -> None:
         transport = self.transport
         if transport.is_closing():
             return  # the peer left; it retries with its keys if it cares
         subscription = self.subscription
         if subscription is not None and subscription.active:
+            self.release_held()
             # A watcher's backlog is bounded by its queue, for every frame it is sent.
             queued = transport.get_write_buffer_size()
             if queued > self.server.watch_hub.max_queued_bytes:
@@ -599,6 +611,18 @@ class Connection(asyncio.Protocol):
                 return
             transport.write(frame)
             return
+        if may_hold and self.server.bursts.hold(self, frame):
+            return
+        self.release_held()
+        self.write_out(frame)
+
+    def release_held(self) -> None:
+        frame, self.held = self.held, None
+        if frame is not None and not self.transport.is_closing():
+            self.write_out(frame)
+
+    def write_out(self, frame: bytes) -> None:
+        transport = self.transport
         transport.write(frame)
         # Not for a peer refused at connect (another uid): it buys no poll.
         if self.spinner is not None and self.caller is not None:
@@ -619,6 +643,7 @@ class Connection(asyncio.Protocol):
         self.finishing = True
         self.update_reading()
         if self.in_flight == 0:
+            self.release_held()
             self.transport.close()
 
     def update_reading(self) -> None:
@@ -662,6 +687,7 @@ class Connection(asyncio.Protocol):
         read it), and nothing more of what it sent is dispatched."""
         log.warning("peer_not_reading", code="unavailable", **why)
         self.finishing = True
+        self.held = None
         self.transport.abort()
 
 

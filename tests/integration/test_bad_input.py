@@ -462,6 +462,49 @@ def test_pipelined_frames_all_answered_by_id(raw):
             assert answers[i + 100] == {"state": "claimed", "effect_ref": f"ref-{i}"}
 
 
+def test_answers_of_many_connections_at_once_all_arrive_in_order(raw):
+    """Forty connections each send a pipeline of reads and refusals at once, so the
+    daemon answers many in one pass and holds all but the first until the pass ends
+    (daemon/bursts.py): every answer arrives with no further request, in each
+    connection's own order, refusals (written at once) included."""
+    conns = [raw() for _ in range(40)]
+    for conn in conns:
+        conn.hello()
+    pipeline = []
+    for n in range(13):  # the last a read: held, nothing written after it
+        if n % 3 == 2:  # refused at once: the held answer before it must go first
+            pipeline.append(request(200 + n, "idem.get", {"operation": "none", "key": "k"}))
+        else:
+            pipeline.append(request(200 + n, "ping"))
+    burst = b"".join(pipeline)
+    for _ in range(5):
+        for conn in conns:
+            conn.send(burst)
+        for conn in conns:
+            answers = [conn.recv() for _ in pipeline]  # a held answer never sent: timeout
+            assert [a["id"] for a in answers] == [200 + n for n in range(13)]
+            for n, answer in enumerate(answers):
+                if n % 3 == 2:
+                    assert answer["error"]["code"] == "idempotency_key_unknown", answer
+                else:
+                    assert answer["result"]["pong"] is True, answer
+
+
+def test_pipelined_reads_then_eof_are_all_answered_before_the_close(raw):
+    """Reads pipelined just before the peer's EOF, on several connections at once, are
+    all answered (the last of each pipeline held for its pass) before the close."""
+    conns = [raw() for _ in range(10)]
+    for conn in conns:
+        conn.hello()
+    for conn in conns:
+        # An odd count: of a pipeline, every other answer is held, so the last one is.
+        conn.send(b"".join(request(300 + n, "ping") for n in range(21)))
+        conn.sock.shutdown(socket.SHUT_WR)
+    for conn in conns:
+        assert [conn.recv()["id"] for _ in range(21)] == list(range(300, 321))
+        conn.expect_eof()
+
+
 def test_ids_are_echoed_as_sent(raw):
     """Any id in range is echoed, including the largest, in any order."""
     conn = raw()
