@@ -84,7 +84,15 @@ def hook_event(
     if session_id is None:
         return result  # nobody to hold a path for: the guard fails open
     if params.kind == SESSION_END:
-        leases.release_matching(tx, leases.held_for_session(tx, session_id), "session-ended")
+        # The ending process's leases only: another process reporting the same session
+        # (an inherited TOWERD_SESSION_ID, one session resumed twice) is another agent,
+        # still editing; its leases go with its own end or death.
+        ending = [
+            lease
+            for lease in leases.held_for_session(tx, session_id)
+            if _ours(lease, session_id, agent)
+        ]
+        leases.release_matching(tx, ending, "session-ended")
     elif params.paths and params.guard != "off" and params.kind in (PRE_TOOL_USE, POST_TOOL_USE):
         holder = agent or fleet.agent_holder(tx, session_id)
         in_the_way = _in_the_way(tx, params.paths, session_id, holder)

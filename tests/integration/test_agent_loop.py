@@ -447,3 +447,20 @@ def test_an_edit_of_a_directory_leases_nothing(agents, worktree: Path):
     b.hook("SessionStart", source="startup")
     assert a.edit(str(worktree / "src"), tool="Write") is None
     assert b.edit("src/new.py", tool="Write") is None
+
+
+def test_one_of_two_processes_sharing_a_session_ending_keeps_the_others_leases(agents):
+    """Two agent processes report one session (`claude --resume X` in two terminals):
+    they are two agents, and one's SessionEnd frees its own leases, not the other's,
+    which stays in a third agent's way (the end used to release the whole session's)."""
+    p1, p2, third = agents(), agents(), agents()
+    p2.agent_session_id = p1.agent_session_id
+    for agent in (p1, p2, third):
+        agent.hook("SessionStart", source="resume")
+    assert p1.edit("a.py") is None
+    assert deny_reason(p2.edit("a.py"))
+    assert p2.edit("b.py") is None
+    p2.hook("SessionEnd", reason="exit")
+    assert deny_reason(third.edit("a.py"))  # p1 still edits it
+    assert third.edit("b.py") is None  # p2's own lease went with its end
+    assert p1.edit("a.py") is None
