@@ -318,6 +318,8 @@ class HookEventResult(TypedDict):
     conflicts: NotRequired[list[PathHolder]]
     leased: NotRequired[list[str]]
     registered: NotRequired[bool]
+    filed: NotRequired[bool]
+    unleased: NotRequired[list[str]]
     queued: NotRequired[bool]
 
 

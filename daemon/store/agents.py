@@ -26,7 +26,7 @@ from msgspec.structs import asdict
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import events, fleet, leases
 from towerd.daemon.store.tx import Caller, Tx
-from towerd.protocol.errors import BadArgs, Conflict, LeaseHeld, NotFound
+from towerd.protocol.errors import BadArgs, Conflict, LeaseHeld, NotFound, QuotaExceeded
 from towerd.protocol.fields import PATH_LEASE_PREFIX
 from towerd.protocol.methods import (
     Empty,
@@ -73,12 +73,14 @@ def hook_event(
             payload=params.payload,
         ),
         filing_key,
+        drop_over_quota=True,
     )
     result = HookEventResult(
         event_id=recorded.event_id,
         at=recorded.at,
         session_id=recorded.session_id,
         registered=registered,
+        filed=recorded.event_id != 0,
     )
     session_id = recorded.session_id
     if session_id is None:
@@ -109,10 +111,15 @@ def hook_event(
             ttl = tx.config.path_lease_ttl_ms
             if params.kind == PRE_TOOL_USE:
                 ttl = min(ttl, PENDING_TTL_MS)
-            for path in free:
-                leases.grant_for_session(
-                    tx, caller.principal, holder, session_id, PATH_LEASE_PREFIX + path, ttl
-                )
+            for n, path in enumerate(free):
+                try:
+                    leases.grant_for_session(
+                        tx, caller.principal, holder, session_id, PATH_LEASE_PREFIX + path, ttl
+                    )
+                except QuotaExceeded:  # refused before it wrote: the rest go unleased
+                    result.unleased = free[n:]
+                    free = free[:n]
+                    break
             result.leased = free
     return result
 

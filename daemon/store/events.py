@@ -46,13 +46,21 @@ def filed(tx: Tx, filing_key: str) -> EventRecordResult | None:
 
 
 def record(
-    tx: Tx, caller: Caller, params: EventRecordParams, filing_key: str | None = None
+    tx: Tx,
+    caller: Caller,
+    params: EventRecordParams,
+    filing_key: str | None = None,
+    *,
+    drop_over_quota: bool = False,
 ) -> EventRecordResult:
     """File one event. A session id must be one of this daemon's sessions; without one,
     or with one it does not know but an agent session id beside it, the agent session id
     is matched to this daemon's session (or the event is filed under it alone). The event
     counts for the caller's quota, which bounds every trail of one principal together
-    (agent session ids are the client's to choose). ``filing_key``: see :func:`filed`."""
+    (agent session ids are the client's to choose). ``filing_key``: see :func:`filed`.
+    ``drop_over_quota``: with the quota full the event is not filed (``event_id`` 0)
+    instead of refused, and what it does to its session still happens (a hook's
+    guard must not stop with its trail)."""
     kind, session_id, agent_session_id, payload = (
         params.kind, params.session_id, params.agent_session_id, params.payload
     )  # fmt: skip
@@ -83,14 +91,19 @@ def record(
             f"the event payload is {len(packed)} bytes as msgpack; the limit is {max_payload}",
             {"bytes": len(packed), "max_bytes": max_payload},
         )
-    quota.require_room(tx, principal, "events", quota_rows)
-    event_id = tx.conn.execute(
-        """INSERT INTO events (session_id, agent_session_id, kind, at, payload, daemon_id,
-               principal, filing_key)
-           VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING event_id""",
-        (session_id, agent_session_id, kind, tx.now, packed, tx.daemon_id, principal, filing_key),
-    ).fetchone()[0]
-    note(tx, "events", TrailEvent(event_id, session_id, agent_session_id, kind, tx.now, payload))
+    if drop_over_quota and not quota.has_room(tx, principal, "events", quota_rows):
+        event_id = 0
+    else:
+        quota.require_room(tx, principal, "events", quota_rows)
+        event_id = tx.conn.execute(
+            """INSERT INTO events (session_id, agent_session_id, kind, at, payload, daemon_id,
+                   principal, filing_key)
+               VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING event_id""",
+            (session_id, agent_session_id, kind, tx.now, packed, tx.daemon_id, principal,
+             filing_key),
+        ).fetchone()[0]  # fmt: skip
+        trail = TrailEvent(event_id, session_id, agent_session_id, kind, tx.now, payload)
+        note(tx, "events", trail)
     if session_id is not None and kind in _EXITED_BY_KIND:
         fleet.set_exited(tx, session_id, _EXITED_BY_KIND[kind])
     return EventRecordResult(event_id=event_id, at=tx.now, session_id=session_id)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from towerd.client import QuotaExceeded
 from towerd_testing import TOWERCTL, Daemon, towerctl, wait_for
 
 pytestmark = pytest.mark.both_backends
@@ -464,3 +465,43 @@ def test_one_of_two_processes_sharing_a_session_ending_keeps_the_others_leases(a
     assert deny_reason(third.edit("a.py"))  # p1 still edits it
     assert third.edit("b.py") is None  # p2's own lease went with its end
     assert p1.edit("a.py") is None
+
+
+def test_a_full_quota_stops_neither_the_guard_nor_the_session_end(agents, daemon: Daemon):
+    """`--quota` below the events kept per principal: once the principal's events fill
+    it, hooks used to fail whole (the guard off: another agent edited a held file).
+    Now the event is not filed (`filed: false`), the guard and the session are kept;
+    past the lease quota an allowed path is left unleased (`unleased`), not refused."""
+    assert daemon.stop() == 0
+    daemon.start("--quota", "12")
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    assert a.edit("a.py") is None
+    for _ in range(12):
+        a.hook("Notification", message="waiting")
+    with daemon.client() as client:
+        with pytest.raises(QuotaExceeded):  # the quota is full for events
+            client.event_record("Notification", agent_session_id=a.agent_session_id)
+        direct = client.hook_event(
+            "PreToolUse", "claude", agent_session_id=b.agent_session_id, cwd=str(b.worktree),
+            paths=[str(b.worktree / "a.py")],
+        )  # fmt: skip
+    assert direct["event_id"] == 0 and direct["filed"] is False
+    assert direct["decision"] == "deny"
+    assert deny_reason(b.edit("a.py"))  # through the installed hook
+    granted = []
+    for n in range(15):  # lease tokens count toward the quota too
+        path = str(b.worktree / f"new{n}.py")
+        assert b.edit(path, tool="Write") is None  # allowed, leased or not
+        granted.append(path)
+    with daemon.client() as client:
+        held = {lease["resource"] for lease in client.lease_list()["leases"]}
+        last = client.hook_event(
+            "PreToolUse", "claude", agent_session_id=b.agent_session_id, cwd=str(b.worktree),
+            paths=[granted[-1]],
+        )  # fmt: skip
+    assert f"path:{granted[-1]}" not in held and last["unleased"] == [granted[-1]]
+    a.hook("SessionEnd", reason="exit")
+    assert session_of(daemon, a)["exited"] is True  # its end is kept, unfiled
+    assert b.edit("a.py") is None  # and released a's lease
