@@ -41,7 +41,9 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks 
 if TYPE_CHECKING:
     from typing import Any
 
-MAX_PATH = 4000  # characters of a path the daemon takes (protocol/schema/agents.py)
+# Characters of a path the daemon takes (protocol/schema/agents.py MAX_PATH_CHARS: not
+# imported, hooks stay off msgspec's schema; tests/client/test_agent_payloads.py checks).
+MAX_PATH = 4095
 MAX_TEXT = 4096  # characters of a transcript path or a model name
 MAX_PATHS = 256  # paths guarded per tool call (protocol/schema/agents.py MAX_PATHS)
 # PreToolUse leases the paths (pending); PostToolUse, after the edit ran, holds them on.

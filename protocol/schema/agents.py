@@ -20,7 +20,11 @@ from towerd.protocol.schema.effects import Resource
 from towerd.protocol.schema.trail import AgentSessionId, EventKind
 
 MAX_PATHS = 256  # paths in one hook.event, path.claim or path.release
-AbsolutePath = Annotated[str, Meta(min_length=1, max_length=4000, pattern="^/")]
+# Linux's PATH_MAX (4096 bytes) less its NUL: no tool opens a longer path, and each
+# shorter one (its characters no more than its bytes) is guarded. It was 4000, and a
+# path of 4001-4095 characters below a leased directory went unguarded.
+MAX_PATH_CHARS = 4095
+AbsolutePath = Annotated[str, Meta(min_length=1, max_length=MAX_PATH_CHARS, pattern="^/")]
 ShortText = Annotated[str, Meta(max_length=4096)]
 PathLeaseTtl = Annotated[int, Meta(ge=5_000, le=7 * 24 * 3600 * 1000)]
 DEFAULT_PATH_LEASE_TTL_MS = 30 * 60 * 1000  # idle time after the last edit of a path

@@ -116,3 +116,13 @@ def test_the_agent_is_the_nearest_ancestor_that_is_not_a_shell():
     assert int(done.stdout) == os.getpid()
     assert agent_process(os.getpid()) == os.getpid()  # a start that is no shell is the agent
     assert agent_process(1) is None
+
+
+def test_the_hooks_path_limits_are_the_daemons():
+    """The hook keeps its own copies (it does not import the schema, for start-up time);
+    a path it drops as too long must be one the daemon would refuse, and no shorter."""
+    from towerd.client import agent_hook
+    from towerd.protocol.schema import agents as schema
+
+    assert agent_hook.MAX_PATH == schema.MAX_PATH_CHARS == 4095
+    assert agent_hook.MAX_PATHS == schema.MAX_PATHS

@@ -505,3 +505,19 @@ def test_a_full_quota_stops_neither_the_guard_nor_the_session_end(agents, daemon
     a.hook("SessionEnd", reason="exit")
     assert session_of(daemon, a)["exited"] is True  # its end is kept, unfiled
     assert b.edit("a.py") is None  # and released a's lease
+
+
+def test_a_path_of_up_to_path_max_below_a_leased_directory_is_guarded(agents, worktree: Path):
+    """Linux opens paths of up to 4095 bytes; the hook dropped paths over 4000
+    characters unguarded, so a Write that deep below a claimed directory was allowed."""
+    a, b = agents(), agents()
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    towerctl_path = agents.commands["PreToolUse"].split(" hook --agent")[0]
+    assert a.run(f"{towerctl_path} --json claim src")["rc"] == 0
+    deep = worktree / "src"
+    while len(str(deep)) < 4095 - 255:
+        deep = deep / ("d" * min(250, 4095 - 255 - len(str(deep))))
+    target = str(deep / ("f" * (4095 - len(str(deep)) - 1)))
+    assert len(target) == 4095
+    assert deny_reason(b.edit(target, tool="Write"))
