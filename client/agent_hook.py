@@ -33,6 +33,7 @@ from towerd.client.agents import (
     DEFAULT_GUARD,
     GUARD_POLICIES,
     agent_process,
+    as_node_writes,
     edit_targets,
     resolve,
 )
@@ -94,7 +95,8 @@ def run(argv: list[str]) -> int:
 
 
 def _text(value: Any, limit: int = MAX_TEXT) -> str | None:
-    return value if isinstance(value, str) and 0 < len(value) <= limit else None
+    ok = isinstance(value, str) and 0 < len(value) <= limit
+    return as_node_writes(value) if ok else None
 
 
 def _hook(socket_path: str | None, agent: str, guard: str, deadline: float) -> bytes:
@@ -120,12 +122,11 @@ def _hook(socket_path: str | None, agent: str, guard: str, deadline: float) -> b
     paths: list[str] = []
     if kind in GUARDED_KINDS and guard != "off":
         targets = edit_targets(agent, hook) or []
-        resolved = (resolve(target, cwd) for target in targets[:MAX_PATHS])
         # An existing directory is no file an edit writes (the tool fails on it): never
         # leased from a hook, or one bad call would hold a whole tree.
         paths = [
             path
-            for path in resolved
+            for path in _resolved(targets[:MAX_PATHS], cwd)
             if path.startswith("/") and len(path) <= MAX_PATH and not os.path.isdir(path)
         ]
     params: dict[str, Any] = {"kind": kind, "agent": agent}
@@ -170,6 +171,17 @@ def _hook(socket_path: str | None, agent: str, guard: str, deadline: float) -> b
     finally:
         client.close()
     return decision_output(result)
+
+
+def _resolved(targets: list[str], cwd: str | None) -> list[str]:
+    """Each target's real path; one with a NUL (no tool opens it) is left out alone."""
+    found = []
+    for target in targets:
+        try:
+            found.append(resolve(as_node_writes(target), cwd))
+        except ValueError:
+            continue
+    return found
 
 
 def _send(client: Any, deadline: float, params: dict[str, Any]) -> Any:

@@ -146,10 +146,40 @@ def _rust_lines(text: str) -> list[str]:
 
 
 def resolve(path: str, cwd: str | None) -> str:
-    """``path``'s real path, relative paths taken from ``cwd`` (the agent's)."""
+    """``path``'s real path as towerd names it (:func:`wire_path`), relative paths taken
+    from ``cwd`` (the agent's; None: this process's). ValueError for a NUL in it."""
     if not os.path.isabs(path) and cwd:
         path = os.path.join(cwd, path)
-    return os.path.realpath(path)
+    return wire_path(os.path.realpath(path))
+
+
+def as_node_writes(text: str) -> str:
+    """``text`` from a hook's JSON, where half of a UTF-16 pair (``"\\ud800"``) is
+    valid and Python keeps it as a lone surrogate, which no UTF-8 encoder takes (the
+    whole hook then failed open): each becomes U+FFFD, as Node (Claude Code) spells
+    it in a file name it writes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
+def wire_path(path: str) -> str:
+    """``path`` as UTF-8 text, which the protocol carries. A name that is not UTF-8 (its
+    bytes kept by Python as surrogate escapes) is spelled with a backslash escape per
+    byte that is not (``caf\\xe9``): the hook and ``towerctl claim`` spell it alike, and
+    a file literally named so shares its lease (contention, never a miss). Such a path
+    used to fail the whole hook open, every path of the call unguarded."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            raw = path.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a lone surrogate no file name can hold
+            return as_node_writes(path)
+        return raw.decode("utf-8", "backslashreplace")
+    return path
 
 
 def _comm_and_parent(pid: int) -> tuple[str, int] | None:

@@ -8,9 +8,7 @@ and a directory claim covers every path below it. ``towerctl leases`` lists them
 
 from __future__ import annotations
 
-import os
-
-from towerd.client.agents import agent_process
+from towerd.client.agents import agent_process, resolve
 from towerd.client.cli.output import UsageError, table
 from towerd.client.cli.registry import Commands, arg
 
@@ -65,7 +63,7 @@ def _whose(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _real(paths: list[str]) -> list[str]:
-    return [os.path.realpath(path) for path in paths]
+    return [resolve(path, None) for path in paths]  # as the hook spells them
 
 
 def render_claim(result: dict[str, Any]) -> str:

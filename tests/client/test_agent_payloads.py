@@ -126,3 +126,33 @@ def test_the_hooks_path_limits_are_the_daemons():
 
     assert agent_hook.MAX_PATH == schema.MAX_PATH_CHARS == 4095
     assert agent_hook.MAX_PATHS == schema.MAX_PATHS
+
+
+@pytest.mark.parametrize(
+    ("path", "wire"),
+    [
+        ("/w/a.py", "/w/a.py"),
+        ("/w/caf\u00e9", "/w/caf\u00e9"),  # UTF-8: as it is
+        (os.fsdecode(b"/w/caf\xe9"), "/w/caf\\xe9"),  # Latin-1 bytes: escaped per byte
+        (os.fsdecode(b"/w/\xc3\xa9\xff"), "/w/\u00e9\\xff"),  # only the bytes that are not
+        ("/w/\ud800.py", "/w/\ufffd.py"),  # a lone surrogate no name holds
+    ],
+)
+def test_a_path_is_sent_as_utf8_text(path, wire):
+    from towerd.client.agents import wire_path
+
+    assert wire_path(path) == wire
+    wire.encode("utf-8")
+
+
+def test_half_a_utf16_pair_in_a_hooks_json_becomes_a_replacement_character():
+    from towerd.client.agents import as_node_writes
+    from towerd.client.hook_report import parse_json
+
+    parsed = parse_json(b'["a\\ud800b", "\\udcff", "a\\uD83D\\uDE00b", "caf\\u00e9"]')
+    assert [as_node_writes(text) for text in parsed] == [
+        "a\ufffdb",
+        "\ufffd",
+        "a\U0001f600b",
+        "caf\u00e9",
+    ]

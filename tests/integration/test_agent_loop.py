@@ -521,3 +521,30 @@ def test_a_path_of_up_to_path_max_below_a_leased_directory_is_guarded(agents, wo
     target = str(deep / ("f" * (4095 - len(str(deep)) - 1)))
     assert len(target) == 4095
     assert deny_reason(b.edit(target, tool="Write"))
+
+
+def test_a_name_that_is_not_utf8_or_half_a_utf16_pair_is_guarded(agents, worktree: Path):
+    """A real directory named in Latin-1 inside a claimed one, reached through an ASCII
+    symlink, and a patch naming a held file beside a path with a lone surrogate: each
+    used to fail the whole hook open (the path could not be sent), every path of the
+    call unguarded. `towerctl claim` of such a path exited with a traceback."""
+    a, b = agents(), agents(codex_commands(agents.home))
+    a.hook("SessionStart", source="startup")
+    b.hook("SessionStart", source="startup")
+    towerctl_path = agents.commands["PreToolUse"].split(" hook --agent")[0]
+    latin1 = os.fsencode(worktree / "src") + b"/caf\xe9"
+    os.mkdir(latin1)
+    (worktree / "cafe").symlink_to(os.fsdecode(latin1))
+    assert a.run(f"{towerctl_path} --json claim src")["rc"] == 0
+    assert deny_reason(b.edit(str(worktree / "cafe" / "x.py"), tool="Write"))
+    assert a.edit(str(worktree / "cafe" / "x.py"), tool="Write") is None
+    # The claim of the Latin-1 directory itself, from B's shell: held by A's src.
+    refused = b.run(f"{towerctl_path} --json claim cafe")
+    assert refused["rc"] == 1 and json.loads(refused["stdout"])["error"]["code"] == "lease_held"
+    assert a.edit("a.py") is None
+    patch = (
+        "*** Begin Patch\n*** Add File: \ud800.py\n+x = 1\n"
+        "*** Update File: a.py\n@@\n-a = 1\n+a = 2\n*** End Patch\n"
+    )
+    done = b.hook("PreToolUse", tool_name="apply_patch", tool_input={"command": patch})
+    assert deny_reason(json.loads(done["stdout"]))
