@@ -336,7 +336,8 @@ def set_exited(tx: Tx, session_id: str, exited: bool) -> None:
 
 
 def agent_holder(tx: Tx, session_id: str) -> Holder | None:
-    """The session's agent process while it is known to run."""
+    """The session's agent process while it is known to run: the one that hooked it last
+    (every one is in ``session_agents``)."""
     row = tx.conn.execute(
         "SELECT agent_pid, agent_start FROM sessions WHERE session_id = ? AND live = 1",
         (session_id,),
@@ -355,6 +356,15 @@ def bind_agent(tx: Tx, session_id: str, holder: Holder, *, naming: bool) -> None
     changed = tuple(row) != (holder.pid, holder.start, 1)
     if not changed and not naming:
         return
+    # Each process the session's hooks come from, however many (one session resumed in
+    # two terminals, an inherited TOWERD_SESSION_ID): found as its agent by
+    # session_of_agent whichever hooked last.
+    tx.conn.execute(
+        """INSERT INTO session_agents (session_id, pid, start, named_at) VALUES (?, ?, ?, ?)
+           ON CONFLICT (session_id, pid, start) DO UPDATE SET named_at = CASE WHEN ? = 1
+               THEN excluded.named_at ELSE session_agents.named_at END""",
+        (session_id, holder.pid, holder.start, tx.now, naming),
+    )
     tx.conn.execute(
         """UPDATE sessions SET agent_pid = ?, agent_start = ?, live = 1,
                agent_named_at = CASE WHEN ? = 1 OR agent_named_at IS NULL OR ? = 1 THEN ?
@@ -367,45 +377,68 @@ def bind_agent(tx: Tx, session_id: str, holder: Holder, *, naming: bool) -> None
 
 
 def session_of_agent(tx: Tx, holder: Holder, *, live_only: bool = False) -> str | None:
-    """The session the agent process ``holder`` runs now: its most recent SessionStart's
-    (``live_only``: among rows still shown live)."""
+    """The session the agent process ``holder`` runs now: the one it joined or started
+    last (``live_only``: among rows still shown live), whether or not another process
+    hooked that session since."""
     row = tx.conn.execute(
-        f"""SELECT session_id FROM sessions
-           WHERE agent_pid = ? AND agent_start = ? AND daemon_id = ?
-           {"AND live = 1" if live_only else ""}
-           ORDER BY agent_named_at DESC, rowid DESC LIMIT 1""",
+        f"""SELECT s.session_id FROM session_agents a
+           JOIN sessions s ON s.session_id = a.session_id
+           WHERE a.pid = ? AND a.start = ? AND s.daemon_id = ?
+           {"AND s.live = 1" if live_only else ""}
+           ORDER BY a.named_at DESC, s.rowid DESC LIMIT 1""",
         (holder.pid, holder.start, tx.daemon_id),
     ).fetchone()
     return None if row is None else row[0]
 
 
 def agent_holders(tx: Tx) -> list[Holder]:
-    """The agent processes of sessions shown live."""
+    """The agent processes of sessions shown live, every one of each session."""
     box, args = own_box(tx)
     return [
         Holder(pid, start)
         for pid, start in tx.conn.execute(
-            f"SELECT DISTINCT agent_pid, agent_start FROM sessions WHERE live = 1{box}", args
+            f"""SELECT DISTINCT a.pid, a.start FROM session_agents a
+               JOIN sessions s ON s.session_id = a.session_id WHERE s.live = 1{box}""",
+            args,
         )
     ]
 
 
 def agents_gone(tx: Tx, dead: Iterable[Holder]) -> list[str]:
-    """Sessions whose agent process died are no longer live (not exited: a session that
-    did not end is what a restore brings back)."""
-    gone: list[str] = []
+    """Sessions whose every agent process died are no longer live (not exited: a session
+    that did not end is what a restore brings back); one whose last-hooking process
+    died while another of its processes runs names that one."""
     box, args = own_box(tx)
+    touched: list[str] = []
     for holder in dead:
-        gone += [
+        touched += [
             row[0]
             for row in tx.conn.execute(
-                f"""UPDATE sessions SET live = 0
-                   WHERE agent_pid = ? AND agent_start = ? AND live = 1{box}
-                   RETURNING session_id""",
+                f"""SELECT session_id FROM sessions
+                   WHERE agent_pid = ? AND agent_start = ? AND live = 1{box}""",
                 (holder.pid, holder.start, *args),
             ).fetchall()
         ]
-    for session_id in gone:
+        tx.conn.execute(
+            f"""DELETE FROM session_agents WHERE pid = ? AND start = ?
+               AND session_id IN (SELECT session_id FROM sessions WHERE TRUE{box})""",
+            (holder.pid, holder.start, *args),
+        )
+    gone: list[str] = []
+    for session_id in dict.fromkeys(touched):
+        other = tx.conn.execute(
+            """SELECT pid, start FROM session_agents WHERE session_id = ?
+               ORDER BY named_at DESC LIMIT 1""",
+            (session_id,),
+        ).fetchone()
+        if other is None:
+            tx.conn.execute("UPDATE sessions SET live = 0 WHERE session_id = ?", (session_id,))
+            gone.append(session_id)
+        else:
+            tx.conn.execute(
+                "UPDATE sessions SET agent_pid = ?, agent_start = ? WHERE session_id = ?",
+                (*other, session_id),
+            )
         _noted(tx, session_id)
     return gone
 
@@ -416,6 +449,7 @@ def remove_session(tx: Tx, caller: Caller, params: SessionIdParams) -> SessionRe
     require_writable(tx, [session_id])
     require_own_row(tx, session_id)
     tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+    tx.conn.execute("DELETE FROM session_agents WHERE session_id = ?", (session_id,))
     note(tx, "fleet", FleetRemoved(session_id))
     children = [
         row[0]
@@ -499,6 +533,7 @@ def replace_rows(
     deleted = [sid for sid in (*removed_set, *replaced) if sid in stored_ids]
     for sid in deleted:
         tx.conn.execute("DELETE FROM sessions WHERE session_id = ?", (sid,))
+        tx.conn.execute("DELETE FROM session_agents WHERE session_id = ?", (sid,))
         note(tx, "fleet", FleetRemoved(sid))
     # Free every agent session id being rewritten before any row takes one.
     for sid in kept.keys() & stored_ids:

@@ -38,7 +38,7 @@ import psycopg
 
 from towerd.daemon.private_paths import StartRefused
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MIGRATE_LOCK = 0x746F_7764_004D  # "towd" "M": held (per transaction) while migrating
 APPLICATION = "towerd"  # meta 'application': this database is towerd's
 
@@ -382,6 +382,24 @@ _AS_WRITTEN = (
             "ALTER TABLE events ADD COLUMN filing_key TEXT",
             """CREATE UNIQUE INDEX events_by_filing_key ON events (filing_key)
                WHERE filing_key IS NOT NULL""",
+        ),
+    ),
+    Migration(
+        3,
+        "every agent process of a session: two processes may report one session",
+        (
+            # As SQLite's step 11: each agent process a session's hooks came from.
+            """CREATE TABLE session_agents (
+                session_id TEXT NOT NULL,
+                pid BIGINT NOT NULL,
+                start BIGINT NOT NULL,
+                named_at BIGINT NOT NULL,
+                PRIMARY KEY (session_id, pid, start)
+            )""",
+            "CREATE INDEX session_agents_by_process ON session_agents (pid, start)",
+            """INSERT INTO session_agents (session_id, pid, start, named_at)
+               SELECT session_id, agent_pid, agent_start, COALESCE(agent_named_at, 0)
+               FROM sessions WHERE agent_pid IS NOT NULL AND agent_start IS NOT NULL""",
         ),
     ),
 )

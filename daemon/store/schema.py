@@ -28,7 +28,7 @@ from towerd.daemon.private_paths import StartRefused
 log = structlog.get_logger("towerd.store")
 
 APPLICATION_ID = 0x746F7764  # "towd", stamped in the SQLite header
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 
 # The tables whose rows a principal can create without bound, each counted per principal
@@ -401,6 +401,27 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE events ADD COLUMN filing_key TEXT",
             """CREATE UNIQUE INDEX events_by_filing_key ON events (filing_key)
                WHERE filing_key IS NOT NULL""",
+        ),
+    ),
+    Migration(
+        11,
+        "every agent process of a session: two processes may report one session",
+        (
+            # A session's row names the agent process that hooked it last; two processes
+            # may report one session (resumed twice, an inherited TOWERD_SESSION_ID), and
+            # each must still be found as that session's agent (store/fleet.py).
+            # named_at: when the process joined the session or last started it.
+            """CREATE TABLE session_agents (
+                session_id TEXT NOT NULL,
+                pid INTEGER NOT NULL,
+                start INTEGER NOT NULL,
+                named_at INTEGER NOT NULL,
+                PRIMARY KEY (session_id, pid, start)
+            ) STRICT, WITHOUT ROWID""",
+            "CREATE INDEX session_agents_by_process ON session_agents (pid, start)",
+            """INSERT INTO session_agents (session_id, pid, start, named_at)
+               SELECT session_id, agent_pid, agent_start, COALESCE(agent_named_at, 0)
+               FROM sessions WHERE agent_pid IS NOT NULL AND agent_start IS NOT NULL""",
         ),
     ),
 )

@@ -548,3 +548,33 @@ def test_a_name_that_is_not_utf8_or_half_a_utf16_pair_is_guarded(agents, worktre
     )
     done = b.hook("PreToolUse", tool_name="apply_patch", tool_input={"command": patch})
     assert deny_reason(json.loads(done["stdout"]))
+
+
+def test_each_of_two_processes_sharing_a_session_acts_for_itself(agents, worktree, daemon):
+    """The session's row names the process that hooked it last; the other one is still
+    that session's agent: its shell's claim is its own (it was the other process's,
+    and went when that one exited), and a plain `towerctl release` from it frees only
+    its own leases (it was taken for a person's, and freed a third agent's path)."""
+    p1, p2, third = agents(), agents(), agents()
+    p2.agent_session_id = p1.agent_session_id  # one session resumed in two terminals
+    for agent in (p1, p2, third):
+        agent.hook("SessionStart", source="resume")
+    towerctl_path = agents.commands["PreToolUse"].split(" hook --agent")[0]
+    assert p1.run(f"{towerctl_path} --json claim notes.md --ttl 1h")["rc"] == 0
+    with daemon.client() as client:
+        (lease,) = [
+            lease
+            for lease in client.lease_list()["leases"]
+            if lease["resource"] == f"path:{worktree / 'notes.md'}"
+        ]
+    assert lease["holder_pid"] == p1.proc.pid
+    assert third.edit("other.py") is None
+    assert deny_reason(p1.edit("other.py"))
+    p2.hook("UserPromptSubmit", prompt="go on")  # the row names p2 again
+    freed = p1.run(f"env -u TOWERD_SESSION_ID {towerctl_path} --json release other.py")
+    assert freed["rc"] == 0 and json.loads(freed["stdout"])["released"] == []
+    assert deny_reason(p1.edit("other.py"))
+    p2.kill9()
+    wait_for(lambda: session_of(daemon, p1)["agent_pid"] == p1.proc.pid, what="p1 named")
+    assert session_of(daemon, p1)["live"] is True
+    assert deny_reason(third.edit("notes.md"))  # p1's claim outlived p2
