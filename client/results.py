@@ -318,7 +318,7 @@ class HookEventResult(TypedDict):
     conflicts: NotRequired[list[PathHolder]]
     leased: NotRequired[list[str]]
     registered: NotRequired[bool]
-    filed: NotRequired[bool]
+    unfiled: NotRequired[bool]
     unleased: NotRequired[list[str]]
     queued: NotRequired[bool]
 

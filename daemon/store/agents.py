@@ -80,7 +80,7 @@ def hook_event(
         at=recorded.at,
         session_id=recorded.session_id,
         registered=registered,
-        filed=recorded.event_id != 0,
+        unfiled=recorded.event_id == 0,
     )
     session_id = recorded.session_id
     if session_id is None:

@@ -97,7 +97,7 @@ class HookEventResult(Struct, omit_defaults=True):
     registered: bool = False  # the event registered its session
     # The principal's events quota (--quota) was full: the event is not in the trail
     # (event_id 0); the session and the guard were kept as ever.
-    filed: bool = True
+    unfiled: bool = False
     # Paths allowed but not leased: the principal's lease quota (--quota) was full.
     unleased: list[str] = []
     # The shared store was unreachable: the event waits in the daemon's outbox and is

@@ -470,7 +470,7 @@ def test_one_of_two_processes_sharing_a_session_ending_keeps_the_others_leases(a
 def test_a_full_quota_stops_neither_the_guard_nor_the_session_end(agents, daemon: Daemon):
     """`--quota` below the events kept per principal: once the principal's events fill
     it, hooks used to fail whole (the guard off: another agent edited a held file).
-    Now the event is not filed (`filed: false`), the guard and the session are kept;
+    Now the event is not filed (`unfiled: true`), the guard and the session are kept;
     past the lease quota an allowed path is left unleased (`unleased`), not refused."""
     assert daemon.stop() == 0
     daemon.start("--quota", "12")
@@ -487,7 +487,7 @@ def test_a_full_quota_stops_neither_the_guard_nor_the_session_end(agents, daemon
             "PreToolUse", "claude", agent_session_id=b.agent_session_id, cwd=str(b.worktree),
             paths=[str(b.worktree / "a.py")],
         )  # fmt: skip
-    assert direct["event_id"] == 0 and direct["filed"] is False
+    assert direct["event_id"] == 0 and direct["unfiled"] is True
     assert direct["decision"] == "deny"
     assert deny_reason(b.edit("a.py"))  # through the installed hook
     granted = []
