@@ -71,6 +71,23 @@ def hook_command(argv: list[str]) -> tuple[str | None, str | None]:
     return None, None
 
 
+def standard_descriptors_opened() -> None:
+    """Open /dev/null on a descriptor 0-2 that towerctl started without (``>&-``, ``2>&-``):
+    else the first socket or pipe it opens takes that number, and CMD's output, which
+    ``run`` and ``effect run`` copy to descriptor 1 or 2, would go into the daemon's
+    connection or CMD's own pipe. (Python then has ``sys.stdout`` None: prints are lost.)"""
+    import os
+
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run towerctl on ``argv`` (default: the process's arguments) and exit."""
     argv = sys.argv[1:] if argv is None else argv
@@ -84,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         from towerd.client.hook_report import report
 
         sys.exit(report(socket_path=socket_path))
+    standard_descriptors_opened()
     # The other commands hooks and wrappers run per event (idem claim, run --key, ...):
     # parsed without argparse when plain enough, else by argparse below.
     from towerd.client.cli.lean import main as lean_main

@@ -231,8 +231,9 @@ class Child:
         stdout_fd: int = 1,
         die_with_parent: int | None = None,
     ) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None: started with that descriptor closed (`>&-`)
+                stream.flush()
         self._capture = capture
         self._stdout_fd = stdout_fd
         self.proc: Spawned | subprocess.Popen[bytes]

@@ -100,6 +100,27 @@ def test_run_executes_once_and_a_retry_replays_the_stored_outcome(daemon, short_
     assert lines(log) == ["ran"]
 
 
+@pytest.mark.parametrize("closed", [">&-", "2>&-", "<&- >&- 2>&-"])
+def test_run_with_a_standard_descriptor_closed_runs_once_and_records(daemon, short_tmp, closed):
+    """`towerctl run ... >&-` (a runner that leaves stdout closed): it crashed after the
+    claim (a traceback, exit 1), CMD never ran and the key was left outcome_unknown, so
+    every retry was refused (exit 120). Also, the daemon's socket would have taken the
+    closed number and CMD's output been copied into it."""
+    log = short_tmp / "log"
+    cmd = f"sh -c 'echo ran >> {log}; echo out; echo err >&2'"
+    line = f"{TOWERCTL} --socket {daemon.socket_path} run --key closed -- {cmd} {closed}"
+    first = subprocess.run(["sh", "-c", line], capture_output=True, text=True, timeout=30)
+    assert first.returncode == 0, first
+    assert lines(log) == ["ran"]
+    with daemon.client() as client:
+        record = client.idem_get("shell", "closed")
+    assert record["state"] == "completed"
+    assert record["result"]["output_sha256"] == output_digest(b"out\n", b"err\n")
+    script = f"echo ran >> {log}; echo out; echo err >&2"
+    retry = towerctl(daemon, "run", "--key", "closed", "--", "sh", "-c", script)
+    assert retry.returncode == 0 and lines(log) == ["ran"]
+
+
 def test_run_passes_the_exit_status_through_and_replays_it(daemon):
     for _ in range(2):
         r = towerctl(daemon, "run", "--key", "k7", "--", "sh", "-c", "exit 7")
