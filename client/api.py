@@ -215,13 +215,22 @@ class TowerdAPI:
         )
 
     def idem_reopen(
-        self, operation: str, key: str, result: Any = None, *, reason: str | None = None
+        self,
+        operation: str,
+        key: str,
+        result: Any = None,
+        *,
+        reason: str | None = None,
+        effect_ref: str | None = None,
     ) -> IdemReopenResult:
-        """Forget a completed key whose stored result is ``result``, so the next claim
-        runs the step again (retrying a failed run); written to the operator log."""
+        """Forget a completed key whose stored result is ``result`` (and, if given, whose
+        ``effect_ref`` is this one: it did not run again since), so the next claim runs
+        the step again (retrying a failed run); written to the operator log."""
         return self.call(
             "idem.reopen",
-            _given(operation=operation, key=key, result=result, reason=reason),
+            _given(
+                operation=operation, key=key, result=result, reason=reason, effect_ref=effect_ref
+            ),
         )
 
     # --- leases ----------------------------------------------------------------------------

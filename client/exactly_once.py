@@ -556,13 +556,22 @@ def _claim_run(
 
 
 def _reopen_failed_run(
-    conn: RetryingConnection, args: argparse.Namespace, operation: str, key: str, failed: Any
+    conn: RetryingConnection,
+    args: argparse.Namespace,
+    operation: str,
+    key: str,
+    failed: Any,
+    effect_ref: str,
 ) -> None:
     """--retry-failed: forget the failed outcome (the operator log says so). A retry
     that got there first (reopened it, maybe ran it) is no error: the next claim says
-    what the key holds now."""
+    what the key holds now. The outcome is named by its effect_ref too: a racing retry
+    that reran CMD and failed the same way left the same result under a new one."""
     try:
-        conn.call("idem_reopen", operation, key, failed, reason="towerctl run --retry-failed")
+        conn.call(
+            "idem_reopen", operation, key, failed, reason="towerctl run --retry-failed",
+            effect_ref=effect_ref,
+        )  # fmt: skip
     except (Conflict, IdempotencyKeyUnknown):
         return
     note(args, f"{key} ({operation}) failed before (exit {stored_status(failed)}): running again")
@@ -581,7 +590,7 @@ def shell_run(args: argparse.Namespace) -> int:
     if claim["state"] == "completed" and args.retry_failed:
         failed = claim.get("result")
         if stored_status(failed) != 0:
-            _reopen_failed_run(conn, args, operation, key, failed)
+            _reopen_failed_run(conn, args, operation, key, failed, claim["effect_ref"])
             claim = _claim_run(conn, args, operation, key, argv)
             if isinstance(claim, int):
                 return claim

@@ -128,7 +128,10 @@ def cmd_idem_resolve(client: Client, args: argparse.Namespace) -> Any:
 def cmd_idem_reopen(client: Client, args: argparse.Namespace) -> Any:
     """Reopen the outcome as it is now: the daemon refuses if it changed meanwhile."""
     record = client.idem_get(args.operation, args.key)
-    return client.idem_reopen(args.operation, args.key, record.get("result"), reason=args.reason)
+    return client.idem_reopen(
+        args.operation, args.key, record.get("result"), reason=args.reason,
+        effect_ref=record.get("effect_ref"),
+    )  # fmt: skip
 
 
 def render_keys(result: dict[str, Any]) -> str:

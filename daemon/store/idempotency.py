@@ -465,6 +465,14 @@ def reopen(tx: Tx, caller: Caller, params: IdemReopenParams) -> IdemReopenResult
             f"is {record.state}; only a completed key is reopened: {advice}",
             state=record.state,
         )
+    if params.effect_ref is not None and params.effect_ref != record.effect_ref:
+        raise _refused(
+            operation,
+            key,
+            "ran again since the outcome given was read (another effect_ref); read it "
+            "again (idem.get) and reopen the outcome you mean",
+            effect_ref=record.effect_ref,
+        )
     if pack_canonical(record.result) != pack_canonical(result):
         raise _refused(
             operation,

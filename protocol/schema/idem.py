@@ -123,6 +123,9 @@ class IdemReopenParams(IdemKeyParams):
 
     result: Any = None
     reason: Annotated[str, Meta(max_length=1000)] | None = None
+    # The outcome's effect_ref as read: a key that ran again since (a new claim has a new
+    # one), even to the same result, is not reopened. None: not checked.
+    effect_ref: EffectRef | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -82,8 +82,12 @@ async def resolve(store: Store, key: str, outcome: str, result: Any) -> IdemReso
     return await store.write(idem.resolve, caller(ME), params)
 
 
-async def reopen(store: Store, key: str, result: Any, reason: str | None) -> IdemReopenResult:
-    params = IdemReopenParams(operation=OP, key=key, result=result, reason=reason)
+async def reopen(
+    store: Store, key: str, result: Any, reason: str | None, effect_ref: str | None = None
+) -> IdemReopenResult:
+    params = IdemReopenParams(
+        operation=OP, key=key, result=result, reason=reason, effect_ref=effect_ref
+    )
     return await store.write(idem.reopen, caller(ME), params)
 
 
@@ -808,6 +812,26 @@ async def test_reopen_refuses_an_unsettled_key(short_tmp: Path, state: str) -> N
             await reopen(store, "k", None, None)
         assert refused.value.data["state"] == state
         assert (await get(store, "k")).state == state
+
+
+async def test_reopen_refuses_a_key_that_ran_again_to_the_same_result(short_tmp: Path) -> None:
+    """Two `run --retry-failed` race: both read failure #1; one reopens it and its rerun
+    fails the same way. The other's reopen named only the result, so it matched the new
+    failure and the command ran a third time; named by its effect_ref, the outcome it
+    read is gone, and the new one is kept."""
+    failed = {"exit_status": 1, "output_sha256": "ab"}
+    async with opened(short_tmp) as store:
+        first = (await claim(store, "push")).effect_ref
+        await complete(store, "push", failed)
+        await reopen(store, "push", failed, "racer a", effect_ref=first)
+        second = (await claim(store, "push")).effect_ref
+        await complete(store, "push", failed)
+        assert second != first
+        with pytest.raises(Conflict) as refused:
+            await reopen(store, "push", failed, "racer b", effect_ref=first)
+        assert refused.value.data["effect_ref"] == second
+        assert (await get(store, "push")).result == failed
+        assert (await claim(store, "push")).state == "completed"
 
 
 async def test_reopen_refuses_an_outcome_other_than_the_one_named(short_tmp: Path) -> None:
