@@ -837,6 +837,11 @@ def effect_run(args: argparse.Namespace) -> int:
         return error_out(args, exc, EXIT_BUSY, "CMD was not run; retry later")
 
     key = effect.effect_key
+    from towerd.protocol.naming import RUN_ATTEMPT_VARIABLE, effect_attempt_mark
+
+    # CMD and all it starts inherit it: the daemon does not probe the effect while any of
+    # them still runs (towerctl killed, CMD or a command it started not), daemon/probes.py.
+    os.environ[RUN_ATTEMPT_VARIABLE] = effect_attempt_mark(effect.attempt_id)
     try:
         # Under a lease, CMD must not outlive towerctl (whose death frees the lease).
         child = Child(

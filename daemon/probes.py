@@ -44,7 +44,7 @@ from towerd.daemon.maintenance import Upkeep
 from towerd.daemon.store import Store, effects, idempotency, reconcile
 from towerd.daemon.store.tx import DAEMON
 from towerd.protocol.methods import EffectSettleParams, GitPushTarget, ProbeOutcome
-from towerd.protocol.naming import RUN_ATTEMPT_VARIABLE
+from towerd.protocol.naming import RUN_ATTEMPT_VARIABLE, effect_attempt_mark
 
 log = structlog.get_logger("towerd.probes")
 
@@ -289,7 +289,9 @@ class Prober:
         # running (their keys wait; see _key).
         self._running_commands = await anyio.to_thread.run_sync(
             processes.carried_values, RUN_ATTEMPT_VARIABLE
-        ) if any(key.attempt for key in keys) else {}  # fmt: skip
+        ) if any(key.attempt for key in keys) or any(
+            item.verdict is None for item in found
+        ) else {}  # fmt: skip
         async with anyio.create_task_group() as tasks:
             for i, item in enumerate(found):
                 if item.verdict is not None:
@@ -334,6 +336,13 @@ class Prober:
 
     async def _effect(self, item: effects.ToProbe) -> ProbeOutcome:
         assert item.git is not None
+        # towerctl effect run is gone, but its command, or one it started (the git push a
+        # script runs), may still be pushing: "not there yet" would let a retry run it
+        # beside them. Probed once none carries the attempt (as keys, _key).
+        running = self._running_commands.get(effect_attempt_mark(item.attempt_id))
+        if running is not None:
+            return ProbeOutcome("holder_alive", item.status, {"command_running": running},
+                                effect_key=item.effect_key)  # fmt: skip
         verdict, evidence = await anyio.to_thread.run_sync(
             probe_git_push, item.git, self.timeout, limiter=self._limiter
         )

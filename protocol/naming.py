@@ -26,9 +26,16 @@ SHARED_KINDS = ("git-push", "pr-create", "tracker-issue", "webhook")
 LOCAL_KINDS = ("git-branch", "git-commit")
 
 # Set in the environment of a `towerctl run --probe` command (and so of everything it
-# starts) to the run's attempt token: the daemon never probes a key while a process
-# still carries it (daemon/probes.py).
+# starts) to the run's attempt token, and of a `towerctl effect run` command to
+# effect_attempt_mark(its attempt id): the daemon never probes a key or an effect while
+# a process still carries it (daemon/probes.py).
 RUN_ATTEMPT_VARIABLE = "TOWERD_RUN_ATTEMPT"
+
+
+def effect_attempt_mark(attempt_id: str) -> str:
+    """The RUN_ATTEMPT_VARIABLE value of an effect attempt's command."""
+    return f"effect:{attempt_id}"
+
 
 DEFAULT_PREFIX = "kxm/"
 BRANCH_FORMATS = ("run-suffix", "prefix-run")

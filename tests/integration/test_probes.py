@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from towerd.client.exactly_once import NotProbeable, parse_git_push
-from towerd.protocol.naming import effect_key
+from towerd.protocol.naming import effect_key, run_branch
 from towerd_testing import TOWERCTL, store_query, towerctl, wait_for
 
 pytestmark = pytest.mark.both_backends
@@ -109,6 +109,46 @@ def test_a_push_killed_after_it_completed_is_settled_committed_at_reconciliation
     logged = query_log(daemon)
     assert ("towerd:probe", "effect.probe", "committed") in logged
     assert daemon.stop() == 0
+
+
+def test_an_effect_is_not_probed_while_its_command_still_runs(daemon, repos, short_tmp):
+    """A push to the run's own branch (no lease, so CMD is not tied to towerctl): only
+    towerctl is killed, and the script it ran goes on to push. The probe used to find
+    nothing pushed yet, settle the effect aborted, and a retry ran CMD beside the first
+    (two starts; a hostile tester's reproducer). Now it waits while any process
+    carries the attempt; once the script has pushed, it settles committed."""
+    work, _remote, pushes = repos
+    own = f"refs/heads/{run_branch(RUN)}"  # the run's own branch: no lease
+    key = effect_key(RUN, STEP, "git-push", own)
+    gate, runs = short_tmp / "gate", short_tmp / "runs"
+    script = (f"echo started >> {runs}; while [ ! -e {gate} ]; do sleep 0.01; done; "
+              f"git push -q origin HEAD:{own}")  # fmt: skip
+    argv = [TOWERCTL, "--socket", str(daemon.socket_path), "effect", "run", "--run-id", RUN,
+            "--step", STEP, "--kind", "git-push", "--target", own, "--heartbeat", "1",
+            "--repo", ".", "--remote", "origin", "--ref", own,
+            "--", "sh", "-c", script]  # fmt: skip
+    proc = spawn(argv, work)
+    wait_for(lambda: runs.exists(), what="CMD to start")
+    os.kill(proc.pid, signal.SIGKILL)  # towerctl alone, as a hook runner's timeout may
+    proc.wait(10)
+    with daemon.client() as client:
+        wait_for(lambda: client.effect_get(key)["status"] == "uncertain",
+                 what="the holder sweep to park the effect")  # fmt: skip
+    settled = towerctl(daemon, "--json", "effects", "settle", key, check=True)
+    [outcome] = json.loads(settled.stdout)["outcomes"]
+    assert outcome["verdict"] == "holder_alive", outcome
+    assert outcome["evidence"]["command_running"] > 0
+    retry = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=60)
+    assert retry.returncode == 120, retry.stderr
+    assert runs.read_text().splitlines() == ["started"]
+    gate.touch()
+    with daemon.client() as client:
+        wait_for(lambda: towerctl(daemon, "effects", "settle", key).returncode == 0
+                 and client.effect_get(key)["status"] == "committed",
+                 what="the probe to settle the push once the script ended")  # fmt: skip
+    replay = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=60)
+    assert replay.returncode == 0, replay.stderr
+    assert runs.read_text().splitlines() == ["started"] and len(pushes_of(pushes)) == 1
 
 
 def query_log(daemon) -> list[tuple[str, str, str]]:
