@@ -261,7 +261,8 @@ class Prober:
         # come: a second pass that meets it waits for that probe instead of running it
         # again, and a long periodic pass does not hold up `effects settle` for the rest.
         self._running: dict[Any, tuple[anyio.Event, list[ProbeOutcome]]] = {}
-        self._running_commands: dict[str, int] = {}  # attempt token -> a pid carrying it
+        # Which attempt tokens a live process carries, or may (one not readable).
+        self._running_commands = processes.Carriers({}, [])
 
     @property
     def base_ms(self) -> int:
@@ -291,7 +292,7 @@ class Prober:
             processes.carried_values, RUN_ATTEMPT_VARIABLE
         ) if any(key.attempt for key in keys) or any(
             item.verdict is None for item in found
-        ) else {}  # fmt: skip
+        ) else processes.Carriers({}, [])  # fmt: skip
         async with anyio.create_task_group() as tasks:
             for i, item in enumerate(found):
                 if item.verdict is not None:
@@ -339,9 +340,10 @@ class Prober:
         # towerctl effect run is gone, but its command, or one it started (the git push a
         # script runs), may still be pushing: "not there yet" would let a retry run it
         # beside them. Probed once none carries the attempt (as keys, _key).
-        running = self._running_commands.get(effect_attempt_mark(item.attempt_id))
+        mark = effect_attempt_mark(item.attempt_id)
+        running = self._running_commands.may_carry(mark, item.holder_start)
         if running is not None:
-            return ProbeOutcome("holder_alive", item.status, {"command_running": running},
+            return ProbeOutcome("holder_alive", item.status, {running[0]: running[1]},
                                 effect_key=item.effect_key)  # fmt: skip
         verdict, evidence = await anyio.to_thread.run_sync(
             probe_git_push, item.git, self.timeout, limiter=self._limiter
@@ -356,10 +358,10 @@ class Prober:
             # towerctl (the holder) is gone, but the command it ran, or one that command
             # started, may still be doing the effect: a probe now could say "not done"
             # and let a retry run it beside them. Probed once none carries the attempt.
-            running = self._running_commands.get(key.attempt)
+            running = self._running_commands.may_carry(key.attempt, key.holder_start)
             if running is not None:
                 return ProbeOutcome("holder_alive", "outcome_unknown",
-                                    {"command_running": running}, principal=key.principal,
+                                    {running[0]: running[1]}, principal=key.principal,
                                     operation=key.operation, key=key.key)  # fmt: skip
         verdict, evidence = await anyio.to_thread.run_sync(
             probe_command, key.probe, key.cwd, self.timeout, limiter=self._limiter

@@ -94,15 +94,40 @@ def is_alive(holder: Holder) -> bool:
         return True
 
 
-def carried_values(variable: str) -> dict[str, int]:
-    """Each value of ``variable`` in a live process's environment -> one such pid.
+@dataclass(frozen=True)
+class Carriers:
+    """What :func:`carried_values` found."""
+
+    values: dict[str, int]  # each value of the variable -> one pid carrying it
+    # Processes of this daemon's own user whose environment it may not read (a setuid or
+    # setgid program, one that made itself non-dumpable): any may carry any value.
+    unreadable: list[Holder]
+
+    def may_carry(self, value: str, started_from: int | None) -> tuple[str, int] | None:
+        """(why, pid) if a process carries ``value`` or may: one of ``unreadable`` that
+        started at or after ``started_from`` (the start time of the process that set the
+        value: what it started began later), with None any of them; else None."""
+        if (pid := self.values.get(value)) is not None:
+            return "command_running", pid
+        for holder in self.unreadable:
+            if started_from is None or holder.start >= started_from:
+                return "command_may_run", holder.pid
+        return None
+
+
+def carried_values(variable: str) -> Carriers:
+    """Each value of ``variable`` in a live process's environment, and the processes of
+    this user whose environment cannot be read.
 
     Why: a command towerctl ran outlives it when towerctl is killed, and so do the
     commands it started (a script's own steps); the environment is what all of them
     inherit. Only processes whose environment this daemon may read are seen (its own
-    user's, in its pid namespace); one that cleared or rewrote its environment is not."""
+    user's, in its pid namespace); one that cleared or rewrote its environment is not.
+    Its own user's processes it may not read are listed apart: taking them for "not
+    running" let a probe say "not done" while a non-dumpable command still ran."""
     prefix = f"{variable}=".encode()
     found: dict[str, int] = {}
+    unreadable: list[Holder] = []
     own = os.getpid()
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == own:
@@ -110,12 +135,31 @@ def carried_values(variable: str) -> dict[str, int]:
         try:
             with open(f"/proc/{name}/environ", "rb") as environ:
                 entries = environ.read().split(b"\0")
-        except OSError:  # gone, a zombie's, or another user's
+        except PermissionError:  # another user's, or ours made unreadable
+            if (holder := _own_unreadable(int(name))) is not None:
+                unreadable.append(holder)
+            continue
+        except OSError:  # gone, a zombie's
             continue
         for entry in entries:
             if entry.startswith(prefix):
                 found.setdefault(entry[len(prefix) :].decode("utf-8", "replace"), int(name))
-    return found
+    return Carriers(found, unreadable)
+
+
+def _own_unreadable(pid: int) -> Holder | None:
+    """``pid`` as a holder if its real user is this process's (its /proc/PID/status says
+    so: the files of a non-dumpable process are root's whoever runs it)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Uid:"):
+                    if int(line.split()[1]) != os.getuid():
+                        return None
+                    break
+        return holder_of(pid)
+    except (OSError, ValueError, IndexError, LivenessUnknown):
+        return None
 
 
 MAX_LINEAGE = 4096  # ancestors walked at most (pid chains are short; this bounds a loop)

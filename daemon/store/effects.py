@@ -505,6 +505,7 @@ class ToProbe:
     status: str
     git: GitPushTarget | None
     verdict: str | None  # None: probe it
+    holder_start: int | None = None  # its holder's start time (what it ran began later)
 
 
 def _probeable(effect: _Effect) -> str | None:
@@ -564,7 +565,8 @@ def to_probe(tx: Tx, caller: Caller, params: EffectSettleParams, due_only: bool)
         verdict = _probeable(effect)
         if due_only and verdict is not None:
             continue
-        found.append(ToProbe(key, record.attempt_id, record.status, record.git, verdict))
+        start = effect.holder.start if effect.holder is not None else None
+        found.append(ToProbe(key, record.attempt_id, record.status, record.git, verdict, start))
     return found
 
 

@@ -606,6 +606,7 @@ class KeyToProbe:
     probe: str
     cwd: str | None
     attempt: str | None = None  # the claim's attempt token (towerctl run's command has it)
+    holder_start: int | None = None  # its claimant's start time (what it ran began later)
 
 
 def keys_to_probe(tx: Tx, due_only: bool) -> list[KeyToProbe]:
@@ -619,7 +620,7 @@ def keys_to_probe(tx: Tx, due_only: bool) -> list[KeyToProbe]:
         (int(due_only), tx.now),
     ).fetchall()
     return [
-        KeyToProbe(rowid, principal, operation, key, ref, probe, cwd, attempt)
+        KeyToProbe(rowid, principal, operation, key, ref, probe, cwd, attempt, start)
         for rowid, principal, operation, key, ref, probe, cwd, pid, start, box, attempt in rows
         if (holder := holder_at(tx, pid, start, box)) is None or not is_alive(holder)
     ]

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from towerd.daemon.processes import holder_of, is_alive, process_start_time
 from towerd.daemon.store.idempotency import Holder
+from towerd_testing import wait_for
 
 
 def test_live_process_is_its_own_holder():
@@ -60,3 +67,59 @@ def test_out_of_file_descriptors_is_unknown_never_dead():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["True", "True", "raised"]
+
+
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+NOT_DUMPABLE = r"""
+import ctypes, sys, time
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: its /proc files are root's
+open(sys.argv[1], "w").close()
+time.sleep(120)
+"""
+SCAN = r"""
+import json
+from towerd.daemon.processes import carried_values, process_start_time
+found = carried_values("TOWERD_RUN_ATTEMPT")
+print(json.dumps({
+    "values": found.values,
+    "unreadable": {h.pid: h.start for h in found.unreadable},
+    "before": found.may_carry("hidden", 0),
+    "after": found.may_carry("hidden", 2**62),
+}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv(1) to act as another user")  # fmt: skip
+def test_a_process_of_ours_whose_environment_cannot_be_read_may_carry_any_value():
+    """A daemon that is not root cannot read the environment of its own user's setuid
+    or non-dumpable processes: it took them for carrying nothing, so a probe said "not
+    done" while such a command (run --probe) still ran and a retry ran it again (a
+    hostile tester's reproducer). They are listed apart, and may carry any value of a
+    process that started before them. Real processes of a real other uid (nobody)."""
+    tmp_path = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's own is not open to nobody
+    tmp_path.chmod(0o777)
+    ready = tmp_path / "ready"
+    env = {**os.environ, "TOWERD_RUN_ATTEMPT": "hidden"}
+    hidden = subprocess.Popen([*AS_NOBODY, sys.executable, "-c", NOT_DUMPABLE, str(ready)], env=env)
+    seen = subprocess.Popen(
+        [*AS_NOBODY, sys.executable, "-c", "import time; time.sleep(120)"],
+        env={**os.environ, "TOWERD_RUN_ATTEMPT": "seen"},
+    )
+    try:
+        wait_for(lambda: ready.exists(), what="the non-dumpable process")
+        done = subprocess.run(
+            [*AS_NOBODY, sys.executable, "-c", SCAN], capture_output=True, text=True,
+            cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "TOWERD_RUN_ATTEMPT"},
+            check=True,
+        )  # fmt: skip
+        found = json.loads(done.stdout)
+        assert found["values"].get("seen") == seen.pid and "hidden" not in found["values"]
+        assert str(hidden.pid) in found["unreadable"]
+        assert found["before"][0] == "command_may_run"
+        assert found["after"] is None  # it started before the value was set: not its own
+    finally:
+        for proc in (hidden, seen):
+            proc.kill()
+            proc.wait(10)
+        shutil.rmtree(tmp_path)
