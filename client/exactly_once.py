@@ -231,6 +231,7 @@ class Child:
         stdout_fd: int = 1,
         die_with_parent: int | None = None,
     ) -> None:
+        self._watchdog: Any = None
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:  # None: started with that descriptor closed (`>&-`)
                 stream.flush()
@@ -246,6 +247,12 @@ class Child:
         else:
             import subprocess
 
+            from towerd.client.watchdog import Watchdog, add_mark
+
+            # What CMD starts goes with towerctl too (client/watchdog.py).
+            mark = f"child:{os.urandom(8).hex()}"
+            add_mark(mark)
+            self._watchdog = Watchdog(mark, die_with_parent)
             pipe = subprocess.PIPE if capture else None
             popen = subprocess.Popen(
                 argv,
@@ -290,6 +297,8 @@ class Child:
                 finally:
                     self._close_pipes()
             code = self.proc.wait()
+            if self._watchdog is not None:
+                self._watchdog.stand_down()
         finally:
             for signum, handler in self._saved.items():
                 signal.signal(signum, handler)
@@ -521,11 +530,11 @@ def _claim_run(
     # a repeated claim after a lost answer is ours (secrets.token_hex, unimported)
     attempt = os.urandom(16).hex()
     if getattr(args, "probe", None):
-        from towerd.protocol.naming import RUN_ATTEMPT_VARIABLE  # re: only with a probe
+        from towerd.client.watchdog import add_mark  # protocol.naming's re: only with a probe
 
         # CMD and all it starts inherit it: the daemon does not probe the key while any
         # of them still runs (towerctl killed, CMD not), daemon/probes.py.
-        os.environ[RUN_ATTEMPT_VARIABLE] = attempt
+        add_mark(attempt)
     try:
         return conn.call(
             "idem_claim",
@@ -837,18 +846,23 @@ def effect_run(args: argparse.Namespace) -> int:
         return error_out(args, exc, EXIT_BUSY, "CMD was not run; retry later")
 
     key = effect.effect_key
-    from towerd.protocol.naming import RUN_ATTEMPT_VARIABLE, effect_attempt_mark
+    from towerd.client.watchdog import add_mark
+    from towerd.protocol.naming import effect_attempt_mark
 
     # CMD and all it starts inherit it: the daemon does not probe the effect while any of
     # them still runs (towerctl killed, CMD or a command it started not), daemon/probes.py.
-    os.environ[RUN_ATTEMPT_VARIABLE] = effect_attempt_mark(effect.attempt_id)
+    add_mark(effect_attempt_mark(effect.attempt_id))
     try:
-        # Under a lease, CMD must not outlive towerctl (whose death frees the lease).
+        # Under a lease, CMD must not outlive towerctl (whose death frees the lease), nor
+        # a local one's, which another attempt takes over once towerctl is dead.
+        from towerd.protocol.naming import LOCAL_KINDS
+
+        ends_with_us = effect.lease_resource or args.kind in LOCAL_KINDS
         child = Child(
             argv,
             capture=True,
             stdout_fd=2 if args.json else 1,
-            die_with_parent=signal.SIGTERM if effect.lease_resource else None,
+            die_with_parent=signal.SIGTERM if ends_with_us else None,
         )
     except OSError as exc:
         try:

@@ -142,8 +142,9 @@ def carried_values(variable: str) -> Carriers:
         except OSError:  # gone, a zombie's
             continue
         for entry in entries:
-            if entry.startswith(prefix):
-                found.setdefault(entry[len(prefix) :].decode("utf-8", "replace"), int(name))
+            if entry.startswith(prefix):  # tokens: one per marked command it runs inside
+                for token in entry[len(prefix) :].split():
+                    found.setdefault(token.decode("utf-8", "replace"), int(name))
     return Carriers(found, unreadable)
 
 

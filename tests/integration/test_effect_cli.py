@@ -613,6 +613,31 @@ def test_a_sigkilled_lock_holder_frees_the_lock_at_once(daemon, short_tmp, repo)
     wait_for(lambda: gone(cmd_pid), what="the dead holder's command to stop")
 
 
+@pytest.mark.parametrize("kind", ["lock", "git-push", "git-commit"])
+def test_what_the_command_started_goes_with_a_sigkilled_towerctl(daemon, short_tmp, repo, kind):
+    """The parent-death signal reaches CMD only: a process CMD started (a script's own
+    step) went on after towerctl was killed, beside the next lock holder, the next
+    holder of the push's lease, or the attempt that took the local effect over (a
+    hostile tester's reproducers). It carries CMD's mark and goes too, within seconds."""
+    main, _linked = repo
+    grandchild, log = short_tmp / "grandchild", short_tmp / "log"
+    step = f"echo $$ > {grandchild}.tmp; mv {grandchild}.tmp {grandchild}; exec sleep 600"
+    script = f"sh -c '{step}'; echo after >> {log}"
+    if kind == "lock":
+        argv = ["lock", "worktree", "--repo", str(main), "--lease-ttl", "600000"]
+    else:
+        target = "refs/heads/release" if kind == "git-push" else "refs/heads/kxm/run-7"
+        argv = ["effect", "run", "--run-id", "7", "--step", "s", "--kind", kind,
+                "--target", target, "--heartbeat", "1"]  # fmt: skip
+    holder = spawn(daemon, *argv, "--", "sh", "-c", script, cwd=main)
+    wait_for(grandchild.exists, what="the command's own child to start")
+    pid = int(grandchild.read_text())
+    holder.kill()  # towerctl alone: CMD's shell gets the parent-death signal, its child not
+    holder.wait(10)
+    wait_for(lambda: gone(pid), timeout=15, what="the command's child to stop")
+    assert lines(log) == []
+
+
 def test_lock_worktree_timeout_exits_121_naming_the_holder(daemon, short_tmp, repo):
     main, linked = repo
     gate, log = Gate(short_tmp / "gate"), short_tmp / "log"
