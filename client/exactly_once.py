@@ -33,7 +33,7 @@ import selectors  # CMD's pipes and its pidfd, in _pump
 import signal
 import sys
 
-from towerd.client.cli.output import UsageError, dumps_json, say
+from towerd.client.cli.output import UsageError, dumps_json, emit, say
 from towerd.client.cli.output import is_utf8 as _is_utf8
 from towerd.client.cli.output import json_arg as _json_arg
 from towerd.client.cli.registry import call_timeout
@@ -434,7 +434,7 @@ def _say(text: str) -> None:
 
 
 def print_json(result: Any) -> None:
-    print(_dumps(result, indent=2, sort_keys=True))
+    emit(_dumps(result, indent=2, sort_keys=True), sys.stdout)
 
 
 def error_out(
@@ -442,7 +442,7 @@ def error_out(
 ) -> int:
     """Report ``error`` as towerctl reports any error, with a hint in text mode."""
     if args.json:
-        print(_dumps({"error": error.to_wire()}))
+        emit(_dumps({"error": error.to_wire()}), sys.stdout)
     else:
         _say(f"{error.code}: {error.message}")
         if hint:
@@ -477,7 +477,7 @@ def not_started(args: argparse.Namespace, argv: list[str], exc: OSError, what: s
     message = f"cannot run '{shown(argv[0])}': {exc.strerror or exc}; nothing ran, {what}"
     if args.json:
         data = {"argv": [shown(arg) for arg in argv]}
-        print(_dumps({"error": {"code": code, "message": message, "data": data}}))
+        emit(_dumps({"error": {"code": code, "message": message, "data": data}}), sys.stdout)
     else:
         _say(f"{code}: {message}")
     return EXIT_NOT_FOUND if missing else EXIT_NOT_EXECUTABLE

@@ -20,6 +20,7 @@ from towerd.client.cli.output import (
     Unhealthy,
     UsageError,
     dumps_json,
+    emit,
     is_utf8,
     print_error,
     print_json,
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         return usage_error(str(exc), parser, as_json=args.json, refused=False)
     except Unhealthy as exc:
         if args.json:
-            print(dumps_json(exc.result, indent=2))
+            emit(dumps_json(exc.result, indent=2), sys.stdout)
         else:
             say(args.render(exc.result))
         return EXIT_ERROR

@@ -124,7 +124,25 @@ def printable_lines(text: str) -> str:
 
 def say(text: str, *, to_stderr: bool = False) -> None:
     """Print text for a person: every text-mode line towerctl prints goes through here."""
-    print(printable_lines(text), file=sys.stderr if to_stderr else sys.stdout)
+    emit(printable_lines(text), sys.stderr if to_stderr else sys.stdout)
+
+
+def emit(text: str, stream: Any) -> None:
+    """One line to ``stream``, now. A reader that has gone (a closed pipe) loses the
+    rest of the output, not the command: the stream goes to /dev/null and towerctl
+    goes on to its exit status (a `run`'s is CMD's, already recorded), where a
+    BrokenPipeError traceback and exit 1 stood in for it."""
+    if stream is None:  # started with that descriptor closed
+        return
+    try:
+        print(text, file=stream)
+        stream.flush()
+    except BrokenPipeError:
+        import os
+
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, stream.fileno())
+        os.close(null)
 
 
 # --- JSON for a program ------------------------------------------------------------------
@@ -146,7 +164,7 @@ def _jsonable(value: Any) -> Any:
 
 def print_json(result: Any) -> None:
     """A command's result under ``--json``."""
-    print(dumps_json(result, indent=2, sort_keys=True))
+    emit(dumps_json(result, indent=2, sort_keys=True), sys.stdout)
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -157,7 +175,7 @@ def print_error(error: Any, *, as_json: bool) -> None:
     ``{"error": {"code", "message", "data"}}`` on stdout with ``--json``, else one
     ``towerctl: CODE: MESSAGE`` line on stderr."""
     if as_json:
-        print(dumps_json({"error": error.to_wire()}))
+        emit(dumps_json({"error": error.to_wire()}), sys.stdout)
     else:
         say(f"towerctl: {error.code}: {error.message}", to_stderr=True)
 
@@ -171,7 +189,7 @@ def usage_error(
     usage = parser.format_usage().strip() if parser is not None else None
     if as_json:
         data = {"usage": " ".join(usage.split())} if usage is not None else {}
-        print(dumps_json({"error": {"code": "usage", "message": message, "data": data}}))
+        emit(dumps_json({"error": {"code": "usage", "message": message, "data": data}}), sys.stdout)
     elif refused and parser is not None:
         say(f"{usage}\n{parser.prog}: error: {message}", to_stderr=True)
     else:

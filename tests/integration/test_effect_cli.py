@@ -689,3 +689,15 @@ def test_leases_and_effects_list_text_and_json(daemon):
     empty = towerctl(daemon, "--json", "effects", "list", "no-such-run")
     assert empty.returncode == 0 and json.loads(empty.stdout) == {"effects": []}
     assert towerctl(daemon, "effects", "list").returncode == 2
+
+
+def test_run_json_into_a_reader_that_has_gone_exits_with_the_commands_status(daemon):
+    """`towerctl --json run ... | head -0`: the JSON answer met a closed pipe, and a
+    BrokenPipeError traceback with exit 1 stood in for CMD's status (recorded all the
+    same), on the first run and on the replay."""
+    for _ in ("ran", "replayed"):
+        proc = spawn(daemon, "--json", "run", "--key", "gone-reader", "--", "sh", "-c", "exit 4")
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        assert proc.wait(30) == 4
+        assert "Traceback" not in proc.stderr.read()
