@@ -629,7 +629,8 @@ def shell_run(args: argparse.Namespace) -> int:
     outcome = child.wait()
     result = outcome.result()
     try:
-        conn.call("idem_complete", operation, key, result, policy=PATIENT)
+        with _SignalsDeferred() as caught:
+            conn.call("idem_complete", operation, key, result, policy=PATIENT)
     except TowerdError as exc:
         return error_out(
             args,
@@ -643,7 +644,37 @@ def shell_run(args: argparse.Namespace) -> int:
     if args.json:
         print_json({**answer, "state": "ran", "exit_status": outcome.exit_status,
                     "output_sha256": outcome.output_sha256, "result": result})  # fmt: skip
+    if caught:
+        _say(f"{key} ({operation}) recorded (exit {outcome.exit_status}); "
+             f"stopping for signal {caught[0]}")  # fmt: skip
+        return 128 + caught[0]
     return outcome.exit_status
+
+
+class _SignalsDeferred:
+    """While CMD's known outcome is being recorded (retried for a while if the daemon is
+    restarting), SIGTERM, SIGHUP and SIGINT wait: stopping then lost an outcome towerctl
+    held (the key turned outcome_unknown and every retry was refused). The signals
+    caught are listed; the caller stops with the first once the outcome is recorded."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+    def __enter__(self) -> list[int]:
+        self.caught: list[int] = []
+        self.saved: dict[int, Any] = {}
+        try:
+            for signum in self.SIGNALS:
+                self.saved[signum] = signal.signal(signum, self._note)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+        return self.caught
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        self.caught.append(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
 
 
 # --- towerctl effect run --------------------------------------------------------------------

@@ -701,3 +701,24 @@ def test_run_json_into_a_reader_that_has_gone_exits_with_the_commands_status(dae
         proc.stdout.close()
         assert proc.wait(30) == 4
         assert "Traceback" not in proc.stderr.read()
+
+
+def test_a_signal_while_the_outcome_is_recorded_waits_for_the_record(daemon, short_tmp):
+    """CMD has ended and towerctl retries its `idem.complete` while the daemon restarts;
+    a SIGTERM then used to stop towerctl at once (exit 143): the known outcome was lost,
+    the key turned outcome_unknown and every retry was refused (120). Now the record
+    comes first, then towerctl stops with the signal's status."""
+    gate, ended = Gate(short_tmp / "gate"), short_tmp / "ended"
+    started = short_tmp / "started"
+    proc = spawn(daemon, "run", "--key", "record-me", "--", "sh", "-c",
+                 f"touch {started}; read x < {gate.path}; touch {ended}; exit 3")  # fmt: skip
+    wait_for(started.exists, what="CMD to start (after its claim)")
+    assert daemon.stop() == 0
+    gate.open()
+    wait_for(ended.exists, what="CMD to end")
+    proc.send_signal(signal.SIGTERM)  # towerctl is retrying the complete meanwhile
+    daemon.start()
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    with daemon.client() as client:
+        record = client.idem_get("shell", "record-me")
+    assert record["state"] == "completed" and record["result"]["exit_status"] == 3
