@@ -33,7 +33,7 @@ import selectors  # CMD's pipes and its pidfd, in _pump
 import signal
 import sys
 
-from towerd.client.cli.output import UsageError, dumps_json, emit, say
+from towerd.client.cli.output import EXIT_UNAVAILABLE, UsageError, dumps_json, emit, say
 from towerd.client.cli.output import is_utf8 as _is_utf8
 from towerd.client.cli.output import json_arg as _json_arg
 from towerd.client.cli.registry import call_timeout
@@ -51,6 +51,7 @@ from towerd.protocol.errors import (
     IdempotencyKeyUnknown,
     OutcomeUnknown,
     TowerdError,
+    Unavailable,
 )
 
 # What `towerctl run` imports is what every run of a hook's step pays: no subprocess
@@ -561,6 +562,20 @@ def _claim_run(
         pid = (exc.data or {}).get("holder_pid")
         return error_out(
             args, exc, EXIT_BUSY, f"CMD was not run: process {pid} is running it; retry later"
+        )
+    except Unavailable as exc:
+        if "reason" not in (exc.data or {}):
+            raise  # never reached the daemon: nothing was claimed
+        # Sent, unanswered (a stalled or restarting daemon): the claim may commit later,
+        # and the key then reads outcome_unknown once this towerctl has exited.
+        return error_out(
+            args,
+            exc,
+            EXIT_UNAVAILABLE,
+            "CMD was not run. The claim may have been recorded after towerctl stopped "
+            "waiting: if a retry then exits 120 (outcome_unknown), CMD never started here; "
+            f"settle it with towerctl idem resolve {_q(operation)} {_q(key)} "
+            "--outcome abandoned (the next run runs it)",
         )
 
 
