@@ -233,6 +233,7 @@ class Child:
         die_with_parent: int | None = None,
     ) -> None:
         self._watchdog: Any = None
+        self._stopped = False  # a stop was forwarded to CMD: what it started goes too
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:  # None: started with that descriptor closed (`>&-`)
                 stream.flush()
@@ -282,6 +283,7 @@ class Child:
         return self.proc.pid
 
     def _forward(self, signum: int, _frame: Any) -> None:
+        self._stopped = True
         try:
             self.proc.send_signal(signum)
         except ProcessLookupError:
@@ -299,7 +301,10 @@ class Child:
                     self._close_pipes()
             code = self.proc.wait()
             if self._watchdog is not None:
-                self._watchdog.stand_down()
+                # Stopped by a signal, CMD's shell is gone but a step it ran may not be:
+                # the watchdog ends them before the lease goes (towerctl's caller
+                # releases it after this), as when towerctl itself dies.
+                self._watchdog.stand_down(end_the_rest=self._stopped)
         finally:
             for signum, handler in self._saved.items():
                 signal.signal(signum, handler)
@@ -636,26 +641,31 @@ def shell_run(args: argparse.Namespace) -> int:
             )
         return status
 
-    try:
-        child = Child(argv, capture=True, stdout_fd=2 if args.json else 1)
-    except OSError as exc:
-        conn.call("idem_release", operation, key, policy=PATIENT)
-        return not_started(args, argv, exc, "the key is released")
-    outcome = child.wait()
-    result = outcome.result()
-    try:
-        with _SignalsDeferred() as caught:
+    # From here to the record, a stop request waits (CMD gets it while it runs: Child's
+    # handlers, which hand back to these when it ends): no gap where it loses the outcome.
+    with _SignalsDeferred() as caught:
+        try:
+            child = Child(argv, capture=True, stdout_fd=2 if args.json else 1)
+        except OSError as exc:
+            conn.call("idem_release", operation, key, policy=PATIENT)
+            return not_started(args, argv, exc, "the key is released")
+        for signum in caught:  # came while CMD was being started: CMD gets it now
+            child._forward(signum, None)
+        caught.clear()
+        outcome = child.wait()
+        result = outcome.result()
+        try:
             conn.call("idem_complete", operation, key, result, policy=PATIENT)
-    except TowerdError as exc:
-        return error_out(
-            args,
-            exc,
-            EXIT_UNKNOWN,
-            f"CMD ran and exited {outcome.exit_status}, but that could not be recorded; "
-            "once this towerctl exits the key reads outcome_unknown. Record it with: "
-            f"towerctl idem resolve {_q(operation)} {_q(key)} --outcome completed "
-            f"--result {_q(_dumps(result, sort_keys=True))}",
-        )
+        except TowerdError as exc:
+            return error_out(
+                args,
+                exc,
+                EXIT_UNKNOWN,
+                f"CMD ran and exited {outcome.exit_status}, but that could not be recorded; "
+                "once this towerctl exits the key reads outcome_unknown. Record it with: "
+                f"towerctl idem resolve {_q(operation)} {_q(key)} --outcome completed "
+                f"--result {_q(_dumps(result, sort_keys=True))}",
+            )
     if args.json:
         print_json({**answer, "state": "ran", "exit_status": outcome.exit_status,
                     "output_sha256": outcome.output_sha256, "result": result})  # fmt: skip
@@ -690,6 +700,7 @@ class _SignalsDeferred:
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.saved.items():
             signal.signal(signum, handler)
+        self.saved = {}  # restored once, however many exits
 
 
 # --- towerctl effect run --------------------------------------------------------------------

@@ -83,10 +83,14 @@ class Watchdog:
         finally:
             os.close(read_end)
 
-    def stand_down(self) -> None:
-        try:
-            os.write(self._write_end, b"x")
-        except OSError:
-            pass
+    def stand_down(self, *, end_the_rest: bool = False) -> None:
+        """CMD has ended: the watchdog leaves; with ``end_the_rest`` (towerctl was told
+        to stop, and passed it on to CMD alone) it first ends every process still
+        carrying the mark, as if towerctl had died, and this waits for that."""
+        if not end_the_rest:
+            try:
+                os.write(self._write_end, b"x")
+            except OSError:
+                pass
         os.close(self._write_end)
         self.proc.wait()

@@ -613,12 +613,14 @@ def test_a_sigkilled_lock_holder_frees_the_lock_at_once(daemon, short_tmp, repo)
     wait_for(lambda: gone(cmd_pid), what="the dead holder's command to stop")
 
 
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM])
 @pytest.mark.parametrize("kind", ["lock", "git-push", "git-commit"])
-def test_what_the_command_started_goes_with_a_sigkilled_towerctl(daemon, short_tmp, repo, kind):
-    """The parent-death signal reaches CMD only: a process CMD started (a script's own
-    step) went on after towerctl was killed, beside the next lock holder, the next
-    holder of the push's lease, or the attempt that took the local effect over (a
-    hostile tester's reproducers). It carries CMD's mark and goes too, within seconds."""
+def test_what_the_command_started_goes_with_a_stopped_towerctl(daemon, short_tmp, repo, kind, stop):
+    """The parent-death signal (SIGKILL of towerctl) and a forwarded SIGTERM reach CMD
+    only: a process CMD started (a script's own step) went on, beside the next lock
+    holder, the next holder of the push's lease, or the attempt that took the local
+    effect over (hostile reviews). It carries CMD's mark and goes too: within seconds
+    of a SIGKILL, and before towerctl exits (so before it releases) on a SIGTERM."""
     main, _linked = repo
     grandchild, log = short_tmp / "grandchild", short_tmp / "log"
     step = f"echo $$ > {grandchild}.tmp; mv {grandchild}.tmp {grandchild}; exec sleep 600"
@@ -632,8 +634,10 @@ def test_what_the_command_started_goes_with_a_sigkilled_towerctl(daemon, short_t
     holder = spawn(daemon, *argv, "--", "sh", "-c", script, cwd=main)
     wait_for(grandchild.exists, what="the command's own child to start")
     pid = int(grandchild.read_text())
-    holder.kill()  # towerctl alone: CMD's shell gets the parent-death signal, its child not
-    holder.wait(10)
+    holder.send_signal(stop)  # towerctl alone; CMD's shell gets it (or its death), not its child
+    holder.wait(30)
+    if stop == signal.SIGTERM:
+        assert gone(pid), "towerctl let go while the command's child still ran"
     wait_for(lambda: gone(pid), timeout=15, what="the command's child to stop")
     assert lines(log) == []
 
