@@ -909,52 +909,62 @@ def effect_run(args: argparse.Namespace) -> int:
     # CMD and all it starts inherit it: the daemon does not probe the effect while any of
     # them still runs (towerctl killed, CMD or a command it started not), daemon/probes.py.
     add_mark(effect_attempt_mark(effect.attempt_id))
-    try:
-        # Under a lease, CMD must not outlive towerctl (whose death frees the lease), nor
-        # a local one's, which another attempt takes over once towerctl is dead.
-        from towerd.protocol.naming import LOCAL_KINDS
-
-        ends_with_us = effect.lease_resource or args.kind in LOCAL_KINDS
-        child = Child(
-            argv,
-            capture=True,
-            stdout_fd=2 if args.json else 1,
-            die_with_parent=signal.SIGTERM if ends_with_us else None,
-        )
-    except OSError as exc:
+    # From here to the record, a stop request waits (CMD gets it while it runs), as in
+    # run: stopping then parked uncertain an effect whose outcome towerctl knew.
+    with _SignalsDeferred() as caught:
         try:
-            conn.driver.advance(steps, error=EffectNotStarted(f"cannot run {shown(argv[0])}"))
-        except EffectNotStarted:
-            pass  # aborted
-        return not_started(args, argv, exc, "the effect is aborted")
-    heartbeat = beat_in_background(effect, lambda: conn.new_client("/heartbeat"))
-    try:
-        outcome = child.wait()
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-    done = outcome.result()
-    lost_hint = (
-        f"CMD exited {outcome.exit_status} ({_dumps(done, sort_keys=True)}) but the effect "
-        f"was not recorded as done; it is parked uncertain: {_resolve_hint(key)}"
-    )
-    try:
-        conn.driver.advance(steps, done, None if outcome.exit_status == 0 else EffectFailed(done))
-    except EffectFailed:
-        pass  # recorded failed: the next attempt runs it afresh
-    except LOST as exc:
-        return error_out(args, exc, EXIT_UNKNOWN, lost_hint)
-    except TowerdError as exc:
-        return error_out(
-            args,
-            exc,
-            EXIT_UNKNOWN,
-            f"CMD exited {outcome.exit_status} but that could not be recorded; the effect is "
-            f"parked uncertain once this towerctl exits: {_resolve_hint(key)}",
+            # Under a lease, CMD must not outlive towerctl (whose death frees the lease), nor
+            # a local one's, which another attempt takes over once towerctl is dead.
+            from towerd.protocol.naming import LOCAL_KINDS
+
+            ends_with_us = effect.lease_resource or args.kind in LOCAL_KINDS
+            child = Child(
+                argv,
+                capture=True,
+                stdout_fd=2 if args.json else 1,
+                die_with_parent=signal.SIGTERM if ends_with_us else None,
+            )
+        except OSError as exc:
+            try:
+                conn.driver.advance(steps, error=EffectNotStarted(f"cannot run {shown(argv[0])}"))
+            except EffectNotStarted:
+                pass  # aborted
+            return not_started(args, argv, exc, "the effect is aborted")
+        for signum in caught:  # came while CMD was being started: CMD gets it now
+            child._forward(signum, None)
+        caught.clear()
+        heartbeat = beat_in_background(effect, lambda: conn.new_client("/heartbeat"))
+        try:
+            outcome = child.wait()
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+        done = outcome.result()
+        lost_hint = (
+            f"CMD exited {outcome.exit_status} ({_dumps(done, sort_keys=True)}) but the effect "
+            f"was not recorded as done; it is parked uncertain: {_resolve_hint(key)}"
         )
+        try:
+            failed = None if outcome.exit_status == 0 else EffectFailed(done)
+            conn.driver.advance(steps, done, failed)
+        except EffectFailed:
+            pass  # recorded failed: the next attempt runs it afresh
+        except LOST as exc:
+            return error_out(args, exc, EXIT_UNKNOWN, lost_hint)
+        except TowerdError as exc:
+            return error_out(
+                args,
+                exc,
+                EXIT_UNKNOWN,
+                f"CMD exited {outcome.exit_status} but that could not be recorded; the effect is "
+                f"parked uncertain once this towerctl exits: {_resolve_hint(key)}",
+            )
     record = effect.record
     assert record is not None
     if args.json:
         print_json({"state": record["status"], "exit_status": outcome.exit_status,
                     "output_sha256": outcome.output_sha256, "effect": record})  # fmt: skip
+    if caught:
+        _say(f"{key} recorded (exit {outcome.exit_status}); stopping for signal {caught[0]}")
+        return 128 + caught[0]
     return outcome.exit_status

@@ -726,3 +726,23 @@ def test_a_signal_while_the_outcome_is_recorded_waits_for_the_record(daemon, sho
     with daemon.client() as client:
         record = client.idem_get("shell", "record-me")
     assert record["state"] == "completed" and record["result"]["exit_status"] == 3
+
+
+def test_a_signal_while_an_effect_is_recorded_waits_for_the_record(daemon, short_tmp):
+    """As for run: the daemon restarts while CMD ends, towerctl retries recording the
+    effect, and a SIGTERM then used to stop it at once, leaving the effect to be parked
+    uncertain although towerctl knew it was done."""
+    gate, started, ended = Gate(short_tmp / "gate"), short_tmp / "started", short_tmp / "ended"
+    proc = spawn(daemon, "effect", "run", "--run-id", "8", "--step", "s", "--kind", "webhook",
+                 "--target", "hook:deploy", "--heartbeat", "1", "--", "sh", "-c",
+                 f"touch {started}; read x < {gate.path}; touch {ended}")  # fmt: skip
+    wait_for(started.exists, what="CMD to start (after its claim)")
+    assert daemon.stop() == 0
+    gate.open()
+    wait_for(ended.exists, what="CMD to end")
+    proc.send_signal(signal.SIGTERM)  # towerctl is retrying the record meanwhile
+    daemon.start()
+    assert proc.wait(60) == 128 + signal.SIGTERM
+    with daemon.client() as client:
+        record = client.effect_get(effect_key("8", "s", "webhook", "hook:deploy"))
+    assert record["status"] == "committed"
