@@ -707,35 +707,21 @@ def test_run_json_into_a_reader_that_has_gone_exits_with_the_commands_status(dae
         assert "Traceback" not in proc.stderr.read()
 
 
-def test_a_signal_while_the_outcome_is_recorded_waits_for_the_record(daemon, short_tmp):
-    """CMD has ended and towerctl retries its `idem.complete` while the daemon restarts;
-    a SIGTERM then used to stop towerctl at once (exit 143): the known outcome was lost,
-    the key turned outcome_unknown and every retry was refused (120). Now the record
-    comes first, then towerctl stops with the signal's status."""
-    gate, ended = Gate(short_tmp / "gate"), short_tmp / "ended"
-    started = short_tmp / "started"
-    proc = spawn(daemon, "run", "--key", "record-me", "--", "sh", "-c",
-                 f"touch {started}; read x < {gate.path}; touch {ended}; exit 3")  # fmt: skip
-    wait_for(started.exists, what="CMD to start (after its claim)")
-    assert daemon.stop() == 0
-    gate.open()
-    wait_for(ended.exists, what="CMD to end")
-    proc.send_signal(signal.SIGTERM)  # towerctl is retrying the complete meanwhile
-    daemon.start()
-    assert proc.wait(60) == 128 + signal.SIGTERM
-    with daemon.client() as client:
-        record = client.idem_get("shell", "record-me")
-    assert record["state"] == "completed" and record["result"]["exit_status"] == 3
-
-
-def test_a_signal_while_an_effect_is_recorded_waits_for_the_record(daemon, short_tmp):
-    """As for run: the daemon restarts while CMD ends, towerctl retries recording the
-    effect, and a SIGTERM then used to stop it at once, leaving the effect to be parked
-    uncertain although towerctl knew it was done."""
+@pytest.mark.parametrize("command", ["run", "effect run"])
+def test_a_signal_while_the_outcome_is_recorded_waits_for_the_record(daemon, short_tmp, command):
+    """CMD has ended and towerctl retries recording its outcome while the daemon
+    restarts; a SIGTERM then used to stop towerctl at once (exit 143): the known outcome
+    was lost (run: the key turned outcome_unknown and every retry was refused 120;
+    effect run: the effect was parked uncertain). Now the record comes first, then
+    towerctl stops with the signal's status."""
     gate, started, ended = Gate(short_tmp / "gate"), short_tmp / "started", short_tmp / "ended"
-    proc = spawn(daemon, "effect", "run", "--run-id", "8", "--step", "s", "--kind", "webhook",
-                 "--target", "hook:deploy", "--heartbeat", "1", "--", "sh", "-c",
-                 f"touch {started}; read x < {gate.path}; touch {ended}")  # fmt: skip
+    script = f"touch {started}; read x < {gate.path}; touch {ended}; exit 3"
+    if command == "run":
+        argv = ["run", "--key", "record-me"]
+    else:
+        argv = ["effect", "run", "--run-id", "8", "--step", "s", "--kind", "webhook",
+                "--target", "hook:deploy", "--heartbeat", "1"]  # fmt: skip
+    proc = spawn(daemon, *argv, "--", "sh", "-c", script)
     wait_for(started.exists, what="CMD to start (after its claim)")
     assert daemon.stop() == 0
     gate.open()
@@ -744,5 +730,9 @@ def test_a_signal_while_an_effect_is_recorded_waits_for_the_record(daemon, short
     daemon.start()
     assert proc.wait(60) == 128 + signal.SIGTERM
     with daemon.client() as client:
-        record = client.effect_get(effect_key("8", "s", "webhook", "hook:deploy"))
-    assert record["status"] == "committed"
+        if command == "run":
+            record = client.idem_get("shell", "record-me")
+            assert record["state"] == "completed" and record["result"]["exit_status"] == 3
+        else:
+            record = client.effect_get(effect_key("8", "s", "webhook", "hook:deploy"))
+            assert record["status"] == "failed"  # exit 3: recorded, not parked uncertain
