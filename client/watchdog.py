@@ -9,7 +9,10 @@ leftover). So CMD and all it starts carry a mark in their environment (a token i
 started beside CMD, waits on a pipe only towerctl can write to: a byte says CMD ended
 (it leaves), end of file says towerctl died, and it then signals every process carrying
 the mark (``signum``, then SIGKILL after a grace) until none is left. Not reached, as
-for the probes: a process that cleared or rewrote its environment.
+for the probes: a process that cleared or rewrote its environment. Its scan of
+/proc is daemon/processes.py's ``carried_values`` written again on purpose: the
+watchdog is a bare ``python -I -S -c`` that imports nothing of towerd (and the client
+nothing of the daemon).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ REAP_TIMEOUT = 5.0  # seconds a command killed at the timeout is waited for, at 
 # Left out of a probe's environment: towerd's own supervisor plumbing, and a run's
 # attempt token (a daemon started from a `towerctl run --probe` command would otherwise
 # pass it to its probes, and their leftovers would hold that key's probe back).
+NO_CARRIERS = processes.Carriers({}, [])  # nothing to wait for: no /proc scan needed
 _SUPERVISOR_VARIABLES = (RUN_ATTEMPT_VARIABLE, "NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID",
                          "LISTEN_FDNAMES", "WATCHDOG_USEC", "WATCHDOG_PID")  # fmt: skip
 
@@ -262,7 +263,7 @@ class Prober:
         # again, and a long periodic pass does not hold up `effects settle` for the rest.
         self._running: dict[Any, tuple[anyio.Event, list[ProbeOutcome]]] = {}
         # Which attempt tokens a live process carries, or may (one not readable).
-        self._running_commands = processes.Carriers({}, [])
+        self._running_commands = NO_CARRIERS
 
     @property
     def base_ms(self) -> int:
@@ -292,7 +293,7 @@ class Prober:
             processes.carried_values, RUN_ATTEMPT_VARIABLE
         ) if any(key.attempt for key in keys) or any(
             item.verdict is None for item in found
-        ) else processes.Carriers({}, [])  # fmt: skip
+        ) else NO_CARRIERS  # fmt: skip
         async with anyio.create_task_group() as tasks:
             for i, item in enumerate(found):
                 if item.verdict is not None:
