@@ -541,9 +541,12 @@ def _claim_run(
         # CMD and all it starts inherit it: the daemon does not probe the key while any
         # of them still runs (towerctl killed, CMD not), daemon/probes.py.
         add_mark(attempt)
-    try:
-        return conn.call(
-            "idem_claim",
+    sent = False  # a claim reached a connected daemon: from then on it may be recorded
+
+    def claim(client: Client) -> Any:
+        nonlocal sent
+        sent = True
+        return client.idem_claim(
             operation,
             key,
             payload=command_payload(argv),
@@ -552,6 +555,9 @@ def _claim_run(
             probe=getattr(args, "probe", None),
             probe_cwd=os.getcwd() if getattr(args, "probe", None) else None,
         )
+
+    try:
+        return conn.driver.request(claim, policy=FAIL_FAST)
     except OutcomeUnknown as exc:
         return error_out(
             args,
@@ -569,8 +575,8 @@ def _claim_run(
             args, exc, EXIT_BUSY, f"CMD was not run: process {pid} is running it; retry later"
         )
     except Unavailable as exc:
-        if "reason" not in (exc.data or {}):
-            raise  # never reached the daemon: nothing was claimed
+        if not sent:
+            raise  # no daemon answered hello (none running, or stalled): nothing was claimed
         # Sent, unanswered (a stalled or restarting daemon): the claim may commit later,
         # and the key then reads outcome_unknown once this towerctl has exited.
         return error_out(
