@@ -282,7 +282,14 @@ class Child:
     def pid(self) -> int:
         return self.proc.pid
 
-    def _forward(self, signum: int, _frame: Any) -> None:
+    def _forward(self, signum: int, frame: Any) -> None:
+        if self.proc.returncode is not None:
+            # CMD has ended (reaped, the handlers not yet handed back): the signal is
+            # towerctl's own, for the handler it had before (a stop deferred to the record).
+            handler = self._saved.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+            return
         self._stopped = True
         try:
             self.proc.send_signal(signum)

@@ -715,17 +715,22 @@ def test_a_signal_while_the_outcome_is_recorded_waits_for_the_record(daemon, sho
     effect run: the effect was parked uncertain). Now the record comes first, then
     towerctl stops with the signal's status."""
     gate, started, ended = Gate(short_tmp / "gate"), short_tmp / "started", short_tmp / "ended"
-    script = f"touch {started}; read x < {gate.path}; touch {ended}; exit 3"
+    script = f"echo $$ > {started}; read x < {gate.path}; touch {ended}; exit 3"
     if command == "run":
         argv = ["run", "--key", "record-me"]
     else:
         argv = ["effect", "run", "--run-id", "8", "--step", "s", "--kind", "webhook",
                 "--target", "hook:deploy", "--heartbeat", "1"]  # fmt: skip
     proc = spawn(daemon, *argv, "--", "sh", "-c", script)
-    wait_for(started.exists, what="CMD to start (after its claim)")
+    wait_for(lambda: started.exists() and started.read_text().strip(),
+             what="CMD to start (after its claim)")  # fmt: skip
     assert daemon.stop() == 0
     gate.open()
     wait_for(ended.exists, what="CMD to end")
+    # Reaped, not only ended: a signal while CMD lives is CMD's (forwarded), and CMD's
+    # status is then towerctl's.
+    cmd_pid = int(started.read_text())
+    wait_for(lambda: not os.path.exists(f"/proc/{cmd_pid}"), what="towerctl to reap CMD")
     proc.send_signal(signal.SIGTERM)  # towerctl is retrying the record meanwhile
     daemon.start()
     assert proc.wait(60) == 128 + signal.SIGTERM
