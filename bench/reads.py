@@ -590,6 +590,21 @@ def main() -> None:
                 f"{verdict(ratios['one core'] <= P50_TARGET)} / "
                 f"{verdict(ratios['two cores'] <= P50_TARGET)})"
             )
+            # Why, in this run: on one core nothing overlaps, so a round trip is the two
+            # processes' CPU in turn; towerd's extra CPU an answer (50 clients, ping) is
+            # what it adds, and 1.1x leaves the echo's p50 times 0.1.
+            ping = many.get(("ping", "towerd")), many.get(("ping", ceiling.name))
+            if ping[0] is not None and ping[1] is not None:
+                extra_cpu = (ping[0].cpu("server_cpu_pct") * 1e4 / ping[0].rps
+                             - ping[1].cpu("server_cpu_pct") * 1e4 / ping[1].rps)  # fmt: skip
+                one_core = placement["one core", ceiling.name] / 1000
+                over = placement["one core", "towerd"] / 1000 - one_core
+                print(
+                    f"  on one core towerd's p50 is {over:.1f} us over the echo's, {P50_TARGET}x "
+                    f"leaves {one_core * (P50_TARGET - 1):.1f} us; towerd's request path costs "
+                    f"{extra_cpu:.1f} us of CPU an answer more than the echo (50 clients, ping, "
+                    "measured here): under the slack only with the request path in C"
+                )
         for method in requests:
             ratio = many[method, "towerd"].rps / many[method, ceiling.name].rps
             print(
@@ -610,6 +625,16 @@ def main() -> None:
             )
             print(loop_budget(RPS_TARGET * many[method, ceiling.name].rps,
                               per_request("towerd", "server_cpu_pct")))  # fmt: skip
+            busy = many[method, "towerd"].cpu("server_cpu_pct")
+            needed = RPS_TARGET * many[method, ceiling.name].rps
+            needed_pct = needed * per_request("towerd", "server_cpu_pct") / 1e4
+            print(
+                f"  towerd's loop was busy {busy:.0f}% of a core: the target needs "
+                f"{needed_pct:.0f}% "
+                "at this CPU an answer; over 100%, the CPU an answer must fall; under it, "
+                "the loop also waits for requests (the generator sends the next request "
+                "only once it has read an answer)"
+            )
         for method, (ratio, cpu_us) in cold_ratios.items():
             print(
                 f"target: cold reads {args.clients} clients, {method} req/s (every read from "
