@@ -590,9 +590,9 @@ def main() -> None:
                 f"{verdict(ratios['one core'] <= P50_TARGET)} / "
                 f"{verdict(ratios['two cores'] <= P50_TARGET)})"
             )
-            # Why, in this run: on one core nothing overlaps, so a round trip is the two
-            # processes' CPU in turn; towerd's extra CPU an answer (50 clients, ping) is
-            # what it adds, and 1.1x leaves the echo's p50 times 0.1.
+            # Beside it, in this run: on one core nothing overlaps, so a round trip is the
+            # two processes' CPU in turn; 1.1x leaves the echo's p50 times 0.1, and what
+            # towerd's request path costs more than the echo's is measured at 50 clients.
             ping = many.get(("ping", "towerd")), many.get(("ping", ceiling.name))
             if ping[0] is not None and ping[1] is not None:
                 extra_cpu = (ping[0].cpu("server_cpu_pct") * 1e4 / ping[0].rps
@@ -601,9 +601,8 @@ def main() -> None:
                 over = placement["one core", "towerd"] / 1000 - one_core
                 print(
                     f"  on one core towerd's p50 is {over:.1f} us over the echo's, {P50_TARGET}x "
-                    f"leaves {one_core * (P50_TARGET - 1):.1f} us; towerd's request path costs "
-                    f"{extra_cpu:.1f} us of CPU an answer more than the echo (50 clients, ping, "
-                    "measured here): under the slack only with the request path in C"
+                    f"leaves {one_core * (P50_TARGET - 1):.1f} us; at 50 clients (ping) towerd's "
+                    f"loop spends {extra_cpu:.1f} us of CPU an answer more than the echo's"
                 )
         for method in requests:
             ratio = many[method, "towerd"].rps / many[method, ceiling.name].rps
