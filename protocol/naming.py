@@ -128,13 +128,34 @@ def effect_requires_lease(
     return True
 
 
+# A push destination that does not start with ``refs/`` is, to git (git-push(1),
+# ``<dst>``), the remote's ref it ends with: ``main`` and ``heads/main`` are
+# refs/heads/main, ``tags/v1`` is refs/tags/v1.
+_SHORT_REF_PREFIXES = ("heads/", "tags/")
+
+
 def lease_resource(kind: str, target_ref: str) -> str:
     """The shared lease an effect on ``target_ref`` takes: one name per target, so the
-    two spellings git accepts for a branch (``main``, ``refs/heads/main``) contend for
-    one lease (each once had its own, and two runs pushed the branch at once)."""
-    if kind == "git-push" and not target_ref.startswith("refs/"):
-        return f"refs/heads/{target_ref}"
-    return target_ref
+    spellings git accepts for a branch (``main``, ``heads/main``, ``refs/heads/main``)
+    contend for one lease (each once had its own, and two runs pushed the branch at
+    once)."""
+    if kind != "git-push" or target_ref.startswith("refs/"):
+        return target_ref
+    if target_ref.startswith(_SHORT_REF_PREFIXES):
+        return f"refs/{target_ref}"
+    return f"refs/heads/{target_ref}"
+
+
+def other_lease_names(kind: str, target_ref: str) -> list[str]:
+    """Leases that also stand for ``target_ref``'s target and must not be held by another
+    holder when it is claimed: the name as given (leased as is before short names were
+    folded) and, for a short ``heads/``/``tags/`` name, ``refs/heads/<name>`` (what it was
+    leased as then, and the ref it names when the remote has a branch called that)."""
+    resource = lease_resource(kind, target_ref)
+    if resource == target_ref:
+        return []
+    names = [target_ref, f"refs/heads/{target_ref}"]
+    return [name for name in dict.fromkeys(names) if name != resource]
 
 
 def effect_key(run_id: str, step_id: str, action_kind: str, target_ref: str) -> str:

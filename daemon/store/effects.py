@@ -229,10 +229,10 @@ def claim(tx: Tx, caller: Caller, params: EffectClaimParams) -> EffectClaimResul
     if naming.effect_requires_lease(params.action_kind, params.target_ref, params.run_id, prefix):
         resource = naming.lease_resource(params.action_kind, params.target_ref)
         try:
-            if resource != params.target_ref:
-                # An effect claimed before a bare branch was leased under its full name
-                # may still hold the bare name's lease: it is the same branch.
-                leases.refuse_if_held_elsewhere(tx, caller, params.target_ref)
+            # An effect claimed before short names were folded may still hold the lease
+            # under the name it was given: it is the same branch.
+            for other in naming.other_lease_names(params.action_kind, params.target_ref):
+                leases.refuse_if_held_elsewhere(tx, caller, other)
             granted = leases.acquire(tx, caller, LeaseAcquireParams(resource, params.lease_ttl_ms))
         except LeaseHeld as exc:
             raise EffectLeaseHeld(

@@ -347,20 +347,28 @@ async def test_lease_held_leaves_no_effect_row_and_no_lease_change(short_tmp: Pa
         assert (await lease_rows(store), await counters(store)) == before
 
 
-async def test_two_spellings_of_one_branch_contend_for_one_lease(short_tmp: Path) -> None:
-    """A push to ``main`` and one to ``refs/heads/main`` (another run) are one target: the
-    second is EffectLeaseHeld (each spelling once took its own lease, and two runs
-    pushed the branch at the same time: a tester's reproducer)."""
+@pytest.mark.parametrize("first_target", ["refs/heads/main", "main", "heads/main"])
+async def test_every_spelling_of_one_branch_contends_for_one_lease(
+    short_tmp: Path, first_target: str
+) -> None:
+    """A push to ``main``, one to ``heads/main`` and one to ``refs/heads/main`` (other
+    runs) are one target, as git resolves them: each after the first is EffectLeaseHeld
+    (each spelling once took its own lease, and two runs pushed the branch at the same
+    time: a tester's reproducer; ``heads/main`` was leased as refs/heads/heads/main)."""
     async with opened(short_tmp) as store:
-        first = await claim(store, params(step="push", kind="git-push", target="refs/heads/main"))
+        first = await claim(store, params(step="push", kind="git-push", target=first_target))
         assert first.lease_resource == "refs/heads/main"
-        for target in ("main", "refs/heads/main"):
+        for target in ("main", "heads/main", "refs/heads/main"):
             with pytest.raises(EffectLeaseHeld):
                 await claim(store, params(step="push", kind="git-push", target=target,
                                           run="run_other", attempt="b-1"),
                             holder=OTHER_LIVE)  # fmt: skip
-        tag = await claim(store, params(step="tag", kind="git-push", target="refs/tags/v1"))
+        tag = await claim(store, params(step="tag", kind="git-push", target="tags/v1"))
         assert tag.lease_resource == "refs/tags/v1"
+        with pytest.raises(EffectLeaseHeld):
+            await claim(store, params(step="tag", kind="git-push", target="refs/tags/v1",
+                                      run="run_other", attempt="b-1"),
+                        holder=OTHER_LIVE)  # fmt: skip
 
 
 async def test_a_lease_on_the_bare_branch_name_from_before_the_upgrade_still_contends(
@@ -372,6 +380,20 @@ async def test_a_lease_on_the_bare_branch_name_from_before_the_upgrade_still_con
         await acquire(store, resource="release")  # as the old claim did, for another holder
         with pytest.raises(EffectLeaseHeld):
             await claim(store, params(step="push", kind="git-push", target="release"))
+
+
+@pytest.mark.parametrize("held", ["heads/main", "refs/heads/heads/main"])
+async def test_a_short_branch_name_contends_with_every_lease_it_may_stand_for(
+    short_tmp: Path, held: str
+) -> None:
+    """``heads/main`` was leased as refs/heads/heads/main before short names were folded
+    (and names that ref when the remote has a branch called ``heads/main``) or, by a
+    hand-made lease, as itself: a claim on it is refused while another holder has
+    either."""
+    async with opened(short_tmp) as store:
+        await acquire(store, resource=held)  # another holder's
+        with pytest.raises(EffectLeaseHeld):
+            await claim(store, params(step="push", kind="git-push", target="heads/main"))
 
 
 async def test_lease_held_on_rearming_a_failed_effect_writes_nothing(short_tmp: Path) -> None:
