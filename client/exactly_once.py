@@ -821,6 +821,10 @@ def git_push_target(args: argparse.Namespace, argv: list[str]) -> dict[str, str]
     commit = _git(repo, "rev-parse", "--verify", "--end-of-options", f"{revision}^{{commit}}")
     if commit is None:
         raise NotProbeable(f"{revision!r} is not a commit in {repo}")
+    if ref.startswith(("heads/", "tags/")):
+        # git pushes it to refs/<ref> if the remote has that ref, else to
+        # refs/heads/<ref> (a new branch called heads/...): which, only the remote knows.
+        raise NotProbeable(f"the destination {ref!r} names one of two refs (give --ref refs/...)")
     if not ref.startswith("refs/"):
         tag = _git(repo, "rev-parse", "--symbolic-full-name", "--end-of-options", revision)
         ref = f"refs/tags/{ref}" if tag and tag.startswith("refs/tags/") else f"refs/heads/{ref}"

@@ -227,6 +227,30 @@ def test_a_git_push_whose_target_cannot_be_derived_says_so_and_is_not_probeable(
     assert "PROBE" in listed.splitlines()[0]
 
 
+def test_a_push_to_a_short_heads_name_is_not_probed_unless_its_ref_is_given(daemon, repos):
+    """``HEAD:heads/release`` goes to refs/heads/release if the remote has it, else to
+    refs/heads/heads/release (a new branch): probing either one could answer for a push
+    that went to the other (it was probed at refs/heads/heads/release, and a crash after
+    a push to an existing branch then read as not done, and a retry ran CMD again). So
+    it is not probed; ``--ref`` says which."""
+    work, _remote, pushes = repos
+    proc = spawn(effect_run(daemon, work, "git", "push", "-q", "origin", "HEAD:heads/release"),
+                 work)  # fmt: skip
+    assert proc.wait(30) == 0
+    assert "names one of two refs" in (proc.stderr.read() if proc.stderr else "")
+    assert effect(daemon)["git"] is None
+    given = effect_run(daemon, work, "git", "push", "-q", "origin", "HEAD:heads/release",
+                       extra=("--ref", REF))  # fmt: skip
+    given[given.index(STEP)] = "given"
+    proc = spawn(given, work)
+    assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
+    with daemon.client() as client:
+        recorded = client.effect_get(effect_key(RUN, "given", "git-push", REF))
+    assert recorded["git"]["ref"] == REF
+    # As said: the remote had no release branch, so git made refs/heads/heads/release.
+    assert [line.split()[-1] for line in pushes_of(pushes)] == ["refs/heads/heads/release"]
+
+
 # --- towerctl run --probe -------------------------------------------------------------------
 
 
