@@ -150,11 +150,14 @@ def other_lease_names(kind: str, target_ref: str) -> list[str]:
     """Leases that also stand for ``target_ref``'s target and must not be held by another
     holder when it is claimed: the name as given (leased as is before short names were
     folded) and, for a short ``heads/``/``tags/`` name, ``refs/heads/<name>`` (what it was
-    leased as then, and the ref it names when the remote has a branch called that)."""
+    leased as then) and what git makes of it when the remote has no such ref: a new
+    branch ``refs/heads/<name>``, or for a tag pushed to ``tags/...`` ``refs/tags/<name>``."""
     resource = lease_resource(kind, target_ref)
     if resource == target_ref:
         return []
     names = [target_ref, f"refs/heads/{target_ref}"]
+    if target_ref.startswith("tags/"):
+        names.append(f"refs/tags/{target_ref}")
     return [name for name in dict.fromkeys(names) if name != resource]
 
 

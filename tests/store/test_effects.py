@@ -382,18 +382,22 @@ async def test_a_lease_on_the_bare_branch_name_from_before_the_upgrade_still_con
             await claim(store, params(step="push", kind="git-push", target="release"))
 
 
-@pytest.mark.parametrize("held", ["heads/main", "refs/heads/heads/main"])
-async def test_a_short_branch_name_contends_with_every_lease_it_may_stand_for(
-    short_tmp: Path, held: str
+@pytest.mark.parametrize(
+    ("target", "held"),
+    [("heads/main", "heads/main"), ("heads/main", "refs/heads/heads/main"),
+     ("tags/v1", "refs/heads/tags/v1"), ("tags/v1", "refs/tags/tags/v1")],
+)  # fmt: skip
+async def test_a_short_ref_name_contends_with_every_lease_it_may_stand_for(
+    short_tmp: Path, target: str, held: str
 ) -> None:
     """``heads/main`` was leased as refs/heads/heads/main before short names were folded
-    (and names that ref when the remote has a branch called ``heads/main``) or, by a
-    hand-made lease, as itself: a claim on it is refused while another holder has
-    either."""
+    (the ref git makes of it when the remote has no refs/heads/main), or by a hand-made
+    lease as itself; ``tags/v1`` as refs/heads/tags/v1 (refs/tags/tags/v1 for a new tag):
+    a claim on it is refused while another holder has any of them."""
     async with opened(short_tmp) as store:
         await acquire(store, resource=held)  # another holder's
         with pytest.raises(EffectLeaseHeld):
-            await claim(store, params(step="push", kind="git-push", target="heads/main"))
+            await claim(store, params(step="push", kind="git-push", target=target))
 
 
 async def test_lease_held_on_rearming_a_failed_effect_writes_nothing(short_tmp: Path) -> None:
