@@ -190,6 +190,7 @@ class Store:
         # (PostgreSQL, or a test opening the store as another daemon).
         self.generation: str | None = None
         self._maybe: list[str] = []  # generations whose write had an unknown outcome
+        self._rotating_to: str | None = None  # a generation being written (new_generation)
         self._rotating = anyio.Lock()
         self._generations_ended = False
 
@@ -317,11 +318,14 @@ class Store:
                 await anyio.to_thread.run_sync(
                     identity.write_generations, state_dir, identity.record_text([*possible, token])
                 )
+                self._rotating_to = token
                 try:
                     await self.write(lambda tx: set_generation(tx.conn, token))
                 except TowerdError:
                     self._maybe.append(token)  # committed or not: the record accepts both
                     raise
+                finally:
+                    self._rotating_to = None
             except (OSError, TowerdError) as exc:  # a full disk, shutting down
                 log.error("generation_not_rotated", code="internal", error=str(exc),
                           state_dir=str(state_dir))  # fmt: skip
@@ -616,17 +620,39 @@ class Store:
         return exc
 
     def _begin(self, conn: sqlite3.Connection, jobs: list[_Job]) -> bool:
-        """BEGIN IMMEDIATE, then check this daemon still owns the store (else fail all)."""
+        """BEGIN IMMEDIATE, then check this daemon still owns the store (else fail all)
+        and that the file is still the database it opened: a backup copied over it in
+        place (same inode, so ``DatabaseFiles`` cannot see it) holds an older generation,
+        and writing on would hand out again what its newer rows had settled."""
         conn.execute("BEGIN IMMEDIATE")
         current = conn.execute(
-            "SELECT owner_epoch FROM daemons WHERE daemon_id = ?", (self.daemon_id,)
+            "SELECT owner_epoch, (SELECT value FROM meta WHERE key = 'generation') "
+            "FROM daemons WHERE daemon_id = ?",
+            (self.daemon_id,),
         ).fetchone()
         if current is None or current[0] != self.owner_epoch:
             conn.execute("ROLLBACK")
             self._superseded = True
-            _fail_all(jobs, self._stale_epoch_error(current))
+            _fail_all(jobs, self._stale_epoch_error(None if current is None else current[:1]))
+            return False
+        if (overwritten := self._overwritten(current[1])) is not None:
+            conn.execute("ROLLBACK")
+            self.lost_reason = overwritten
+            _fail_all(jobs, self._lost_error())
             return False
         return True
+
+    def _overwritten(self, stored: str | None) -> str | None:
+        """Why the database holding generation ``stored`` is not the one this daemon
+        runs (or None: it is, or generations are not tracked here)."""
+        if self.generation is None:
+            return None
+        if stored in (self.generation, self._rotating_to) or stored in self._maybe:
+            return None
+        return (
+            f"{self.db_path} now holds generation {stored}, not this daemon's "
+            f"{self.generation}: an older copy (a backup?) was written over it"
+        )
 
     def _run_jobs(
         self, conn: sqlite3.Connection, tx: Tx, jobs: list[_Job], *, savepoints: bool
@@ -673,11 +699,23 @@ class Store:
         """Whether the database files are still the ones opened; if not, stop answering
         (``lost`` is set). Called periodically, so an idle daemon notices too."""
         if self.lost_reason is None:
-            self.lost_reason = self._files.lost()
+            self.lost_reason = self._files.lost() or self._overwritten_idle()
         if self.lost_reason is not None:
             self.lost.set()
             return False
         return True
+
+    def _overwritten_idle(self) -> str | None:
+        """The generation check of ``_begin`` for an idle daemon (no batch runs), on the
+        loop's read connection; a read it cannot make is the next batch's to report."""
+        if self.generation is None or self._batch_in_flight or self._locked is not None:
+            return None
+        try:
+            row = self._inline.execute("SELECT value FROM meta WHERE key = 'generation'")
+            stored = row.fetchone()
+        except self.DB_ERRORS:
+            return None
+        return self._overwritten(None if stored is None else stored[0])
 
     def _lost_error(self) -> Unavailable:
         return Unavailable(

@@ -8,6 +8,7 @@ import os
 import shutil
 import sqlite3
 import subprocess
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,31 @@ def test_deleted_database_is_not_written_into_and_the_daemon_stops(daemon):
     assert daemon.proc.wait(10) == EXIT_REFUSED
     log = daemon.log()
     assert '"store_lost"' in log and "towerd.db was removed" in log, log
+
+
+def test_a_backup_copied_over_the_running_database_is_noticed(daemon, short_tmp):
+    """A backup copied over the live file in place (`cp`: same inode, which the file
+    guard cannot see), after a checkpoint had moved every page into the file: the daemon
+    served the backup's rows, so a key it had acknowledged completed was claimed again
+    (a hostile tester's reproducer). The file's generation is older than the daemon's:
+    the write is refused, nothing more is acknowledged, and the daemon stops."""
+    db, backup = daemon.state_dir / "towerd.db", short_tmp / "backup.db"
+    with daemon.client() as client:
+        client.backup(str(backup))
+    _complete(daemon, "after-backup")
+    with closing(sqlite3.connect(db)) as conn:  # as a checkpoint under steady writes does
+        conn.execute("PRAGMA busy_timeout = 5000")
+        assert conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0
+    inode = os.stat(db).st_ino
+    shutil.copyfile(backup, db)
+    assert os.stat(db).st_ino == inode
+    with daemon.client() as client:
+        with pytest.raises(Unavailable) as refused:
+            client.idem_claim("push", "after-backup")  # old code: "claimed", run again
+    # The write batch or the once-a-second guard noticed first: either way, refused.
+    assert refused.value.data.get("reason") in ("store_lost", "closed", "connection"), refused
+    assert daemon.proc.wait(10) == EXIT_REFUSED
+    assert "an older copy (a backup?) was written over it" in daemon.log()
 
 
 def test_an_idle_daemon_notices_by_itself(daemon):
