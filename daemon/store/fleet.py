@@ -590,6 +590,29 @@ def _refuse_a_box_not_dead(tx: Tx, daemon_id: str, presence_at: int, dead_at: in
         )
 
 
+LOGGED_PROBES = 100  # an adoption's operator-log entry lists at most this many probes
+
+
+def _unprobe(tx: Tx, from_daemon_id: str) -> list[tuple[Any, ...]]:
+    """A shared store: the adopted box's unsettled keys are not probed by this box. Their
+    commands ran on that box, whose processes this one cannot see, and a box declared
+    dead may only be cut off: a probe here would not know that the command (or what it
+    started) still runs there, and its "did not happen" would let a retry run it again
+    beside it (a hostile tester's reproducer). A person settles them (`idem resolve`);
+    the operator log keeps their probes."""
+    where = "WHERE daemon_id = ? AND state = 'outcome_unknown' AND probe IS NOT NULL"
+    probes = tx.conn.execute(
+        f"SELECT principal, operation, key, probe, probe_cwd FROM idempotency {where} "
+        "ORDER BY rowid",
+        (from_daemon_id,),
+    ).fetchall()
+    tx.conn.execute(
+        f"UPDATE idempotency SET probe = NULL, probe_cwd = NULL, probe_next_at = NULL {where}",
+        (from_daemon_id,),
+    )
+    return probes
+
+
 def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptResult:
     """Move every row of a daemon that is gone for good to this daemon, at its epoch.
 
@@ -637,16 +660,21 @@ def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptR
         note(tx, "idem", IdemChanged(key_principal, operation, key, "outcome_unknown",
                                      effect_ref))  # fmt: skip
     interrupted = [(rowid, operation, ref) for rowid, operation, ref, _p, _k in interrupted]
+    unprobed = [] if tx.one_box else _unprobe(tx, from_daemon_id)
     keys_adopted = tx.conn.execute(
         "UPDATE idempotency SET daemon_id = ? WHERE daemon_id = ?", (tx.daemon_id, from_daemon_id)
     ).rowcount
     settled = settle(tx, interrupted)
-    log_operator_action(
-        tx,
-        principal,
-        "fleet.adopt",
-        {"from_daemon_id": from_daemon_id, "adopted": adopted, "keys_adopted": keys_adopted},
-    )
+    detail: dict[str, Any] = {
+        "from_daemon_id": from_daemon_id, "adopted": adopted, "keys_adopted": keys_adopted
+    }  # fmt: skip
+    if unprobed:
+        detail["keys_not_probed"] = len(unprobed)
+        detail["probes"] = [
+            {"principal": p, "operation": o, "key": k, "probe": c, "cwd": d}
+            for p, o, k, c, d in unprobed[:LOGGED_PROBES]
+        ]
+    log_operator_action(tx, principal, "fleet.adopt", detail)
     return FleetAdoptResult(
         adopted=adopted,
         from_daemon_id=from_daemon_id,

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from store_helpers import (
+    DEAD,
     all_session_rows,
     caller,
     entry,
@@ -24,7 +25,7 @@ from store_helpers import (
     register_params,
     rows,
 )
-from towerd.daemon.store import Store, fleet, idempotency
+from towerd.daemon.store import Store, fleet, idempotency, liveness
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch, Unavailable
 from towerd.protocol.methods import (
@@ -700,6 +701,46 @@ async def test_a_shared_store_adopts_no_box_that_is_not_dead(short_tmp: Path, st
         assert "towerctl boxes" in refused.value.message
         assert await rows(store) == []
         assert (await adopt_as(one_box=True)).adopted == 2
+
+
+@pytest.mark.parametrize("one_box", [False, True])
+async def test_an_adopted_box_s_unsettled_keys_are_not_probed_by_its_adopter(
+    short_tmp: Path, one_box: bool
+) -> None:
+    """On a store several boxes share, an adopted box's outcome_unknown keys lose their
+    probe (kept in the operator log): their holders' pids were taken for the adopting
+    box's own, and a box declared dead while only cut off still ran the command when the
+    adopter's probe said it had not happened and released the key, and a retry ran it a
+    second time (a hostile tester's reproducer, two boxes in two pid namespaces). On the
+    embedded store every pid is this machine's: the probe stays."""
+    daemon_a, *_ = await _fleet_of_daemon_a(short_tmp)
+    async with opened(short_tmp) as store:  # box a: a key whose claimant is gone
+        params = IdemClaimParams("shell", "deploy", payload=["cmd"], probe="test -f marker",
+                                 probe_cwd="/")  # fmt: skip
+        await store.write(idempotency.claim, caller("ops", DEAD), params)
+        await store.write(liveness.settle, [DEAD])
+    async with opened(short_tmp, daemon_id=new_id()) as store:
+        await store.write(
+            lambda tx: tx.conn.execute(
+                "UPDATE daemons SET dead_at = ? WHERE daemon_id = ?", (tx.now, daemon_a)
+            )
+        )
+
+        def run(tx: Tx, *args: Any) -> Any:
+            return fleet.adopt_fleet(msgspec.structs.replace(tx, one_box=one_box), *args)
+
+        assert (await store.write(run, caller("ops"), FleetAdoptParams(daemon_a))).keys_adopted
+        to_probe = [k.key for k in await store.read(idempotency.keys_to_probe, False)]
+        key = await store.read(idempotency.get, caller("ops"), IdemKeyParams("shell", "deploy"))
+    assert key.state == "outcome_unknown"
+    assert to_probe == ([] if not one_box else ["deploy"])
+    [detail] = [json.loads(d) for (d,) in query(short_tmp, "SELECT detail FROM operator_log")]
+    if not one_box:
+        assert detail["keys_not_probed"] == 1
+        assert detail["probes"] == [{"principal": "ops", "operation": "shell", "key": "deploy",
+                                     "probe": "test -f marker", "cwd": "/"}]  # fmt: skip
+    else:
+        assert "probes" not in detail
 
 
 async def test_adopt_refuses_unknown_daemon_self_and_agent_session_clash(
