@@ -231,6 +231,7 @@ class PgStore(Store):
         self.dsn = dsn
         self._last_now = identity.now
         self._server_ahead_ms = 0  # the server's clock minus towerd's, at the last batch
+        self.sightings = presence.Sightings()  # other boxes' presence, on our own clock
         self.reachable = True  # the last transaction reached the server
         self.store_error: str | None = None  # why not, when it did not
         super().__init__(config, writer, reader, identity, reconciliation, Path(os.devnull))
@@ -467,7 +468,7 @@ async def _keep_present(
         task_status.started(scope)
         while True:
             try:
-                report = await store.write(presence.beat)
+                report = await store.write(presence.beat, store.sightings)
             except Exception as exc:  # noqa: BLE001 - the store may be unreachable: retry
                 log.warning("presence_beat_failed", code=getattr(exc, "code", "internal"),
                             error=str(exc))  # fmt: skip

@@ -2,7 +2,9 @@
 the presence TTL is dead for everyone, and any live daemon settles what it held.
 
 Presence is on the server's clock (every box's ``tx.now`` is, daemon/store/pg.py), so
-boxes whose clocks differ agree on who lapsed. Only a box's own daemon checks its pids
+boxes whose clocks differ agree on who lapsed; and a box is declared dead only once the
+declaring box has also seen its presence unchanged for the TTL on its own monotonic
+clock (:class:`Sightings`), so a step in the server's clock declares no live box dead. Only a box's own daemon checks its pids
 (tx.own_box); for another box, its presence is the only evidence: once it lapses, every
 holder of that box is dead, and the box's rows are settled exactly as its own sweep
 would settle them with every holder dead: its keys turn ``outcome_unknown`` (or complete
@@ -21,6 +23,7 @@ may still commit, and its declaration went unlogged.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,19 +51,49 @@ class BeatReport:
     settled: dict[str, liveness.LivenessReport] = field(default_factory=dict)
 
 
-def beat(tx: Tx) -> BeatReport:
+class Sightings:
+    """When this box last saw each other box's presence change, on this box's own
+    monotonic clock. A box is declared dead only once it is both lapsed on the server's
+    clock and seen unchanged here for the TTL: the server's clock alone is not enough,
+    because a step in it (NTP, a VM resumed) made a box that heartbeats every interval
+    look lapsed to a box whose clock reading is held at its highest (``PgStore``'s
+    ``_batch_now`` never goes back), and a live box was declared dead and its live
+    holders' leases granted again (a hostile tester's reproducer, libfaketime on the
+    server). The price: after its own start a box declares no one dead for a TTL."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, float]] = {}  # box -> (presence_at, seen since)
+
+    def unchanged_ms(self, presence: list[tuple[str, int]], now_s: float) -> dict[str, float]:
+        """For each box's ``presence_at`` read now: how long it has read the same here."""
+        seen, self._seen = self._seen, {}
+        quiet = {}
+        for box, presence_at in presence:
+            last = seen.get(box)
+            since = last[1] if last is not None and last[0] == presence_at else now_s
+            self._seen[box] = (presence_at, since)
+            quiet[box] = (now_s - since) * 1000
+        return quiet
+
+
+def beat(tx: Tx, sightings: Sightings) -> BeatReport:
     """A store function (a write): this box is present now; every other box silent for
     the presence TTL is declared dead and its rows settled, in this transaction, and the
     declaration goes out with the batch's change notes (logged once committed)."""
     tx.conn.execute(
         "UPDATE daemons SET presence_at = ? WHERE daemon_id = ?", (tx.now, tx.daemon_id)
     )
-    lapsed = tx.conn.execute(
-        """SELECT daemon_id FROM daemons
-           WHERE dead_at IS NULL AND daemon_id <> ? AND presence_at <= ?
-           ORDER BY daemon_id""",
-        (tx.daemon_id, tx.now - tx.config.presence_ttl_ms),
+    presence = tx.conn.execute(
+        """SELECT daemon_id, presence_at FROM daemons
+           WHERE dead_at IS NULL AND daemon_id <> ? ORDER BY daemon_id""",
+        (tx.daemon_id,),
     ).fetchall()
+    ttl = tx.config.presence_ttl_ms
+    quiet = sightings.unchanged_ms(presence, time.monotonic())
+    lapsed = [
+        (box,) for box, presence_at in presence
+        if presence_at <= tx.now - ttl and quiet[box] >= ttl
+    ]  # fmt: skip
     for (box,) in lapsed:
         tx.conn.execute("UPDATE daemons SET dead_at = ? WHERE daemon_id = ?", (tx.now, box))
         settled = settle_box(tx, box)

@@ -7,15 +7,17 @@ daemon id (``opened(root, daemon_id=...)``). Whether the store is shared is ``tx
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 
 from store_helpers import caller, clock, configured, opened, register
-from towerd.daemon.store import Store, boxes, events, fleet
+from towerd.daemon.store import Store, boxes, events, fleet, presence
 from towerd.daemon.store.tx import Tx
 from towerd.protocol.errors import NotFound, StaleEpoch
 from towerd.protocol.methods import (
@@ -321,3 +323,44 @@ async def test_restore_plan_default_and_daemon_id(short_tmp: Path) -> None:
         for one_box in (True, False):
             assert await planned(one_box, OTHER) == {(theirs, OTHER)}
             assert await planned(one_box, me) == {(mine, me)}
+
+
+# --- presence: who is declared dead ----------------------------------------------------------
+
+
+async def test_a_box_is_declared_dead_only_once_seen_silent_for_the_ttl_on_our_own_clock(
+    short_tmp: Path,
+) -> None:
+    """Lapsed on the server's clock is not enough: a step in that clock made a box that
+    heartbeats every interval read as lapsed to a box whose clock reading is held at its
+    highest, and the live box was declared dead and its live holders' leases granted
+    again (a hostile tester's reproducer, libfaketime on the server). Its presence must
+    also read unchanged here for the TTL, on this box's monotonic clock."""
+    ttl = 300
+    async with opened(short_tmp, presence_interval_ms=NO_BEAT, presence_ttl_ms=ttl) as store:
+        await past_the_start_beat(store)
+        now = await now_of(store)
+        await plant_box(store, OTHER, presence_at=now - 10 * ttl)  # lapsed on the server
+        sightings = presence.Sightings()
+        started = time.monotonic()
+        await store.write(presence.beat, sightings)
+        assert (await daemon_row(store, OTHER))[-1] is None  # first seen now: not dead
+        # It heartbeats (under a server clock stepped forward, its presence still reads
+        # as long ago): changed, so seen silent for no time at all.
+        await store.write(lambda tx: tx.conn.execute(
+            "UPDATE daemons SET presence_at = ? WHERE daemon_id = ?", (now - 10 * ttl + 1, OTHER)
+        ))  # fmt: skip
+        await store.write(presence.beat, sightings)
+        assert (await daemon_row(store, OTHER))[-1] is None
+        changed = time.monotonic()
+
+        async def dead() -> bool:
+            await store.write(presence.beat, sightings)
+            return (await daemon_row(store, OTHER))[-1] is not None
+
+        deadline = changed + 30
+        while not await dead():
+            assert time.monotonic() < deadline, "never declared dead"
+            await anyio.sleep(0.02)  # the next beat (a heartbeat's pace, not a sync)
+        assert time.monotonic() - changed >= ttl / 1000
+        assert time.monotonic() - started >= ttl / 1000
