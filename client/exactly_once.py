@@ -289,6 +289,9 @@ class Child:
             handler = self._saved.get(signum)
             if callable(handler):
                 handler(signum, frame)
+            elif handler == signal.SIG_DFL:  # as if it had come once the handlers were back
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
             return
         self._stopped = True
         try:
@@ -822,8 +825,8 @@ def git_push_target(args: argparse.Namespace, argv: list[str]) -> dict[str, str]
     if commit is None:
         raise NotProbeable(f"{revision!r} is not a commit in {repo}")
     if ref.startswith(("heads/", "tags/")):
-        # git pushes it to refs/<ref> if the remote has that ref, else to
-        # refs/heads/<ref> (a new branch called heads/...): which, only the remote knows.
+        # git pushes it to refs/<ref> if the remote has that ref, else makes a new one,
+        # refs/heads/<ref> or (a tag pushed) refs/tags/<ref>: which, only the remote knows.
         raise NotProbeable(f"the destination {ref!r} names one of two refs (give --ref refs/...)")
     if not ref.startswith("refs/"):
         tag = _git(repo, "rev-parse", "--symbolic-full-name", "--end-of-options", revision)

@@ -147,17 +147,27 @@ def lease_resource(kind: str, target_ref: str) -> str:
 
 
 def other_lease_names(kind: str, target_ref: str) -> list[str]:
-    """Leases that also stand for ``target_ref``'s target and must not be held by another
-    holder when it is claimed: the name as given (leased as is before short names were
-    folded) and, for a short ``heads/``/``tags/`` name, ``refs/heads/<name>`` (what it was
-    leased as then) and what git makes of it when the remote has no such ref: a new
-    branch ``refs/heads/<name>``, or for a tag pushed to ``tags/...`` ``refs/tags/<name>``."""
-    resource = lease_resource(kind, target_ref)
-    if resource == target_ref:
+    """Leases that may stand for the ref a push to ``target_ref`` writes, which must not
+    be held by another holder when it is claimed (contending too often is the safe
+    side). A short name S (``main``, ``heads/X``, ``tags/X``) is leased as the ref git
+    takes it for when the remote has one (:func:`lease_resource`); when the remote has
+    none, git makes ``refs/heads/S`` (a branch pushed) or ``refs/tags/S`` (a tag), and
+    S itself was leased as is before short names were folded. So a claim on S checks
+    those, and a claim on a full ``refs/heads/S`` or ``refs/tags/S`` whose S starts
+    with ``heads/`` or ``tags/`` checks ``refs/S`` and S, which a claim on S holds."""
+    if kind != "git-push":
         return []
-    names = [target_ref, f"refs/heads/{target_ref}"]
-    if target_ref.startswith("tags/"):
-        names.append(f"refs/tags/{target_ref}")
+    if not target_ref.startswith("refs/"):
+        names = [target_ref, f"refs/heads/{target_ref}"]
+        if target_ref.startswith(_SHORT_REF_PREFIXES):
+            names.append(f"refs/tags/{target_ref}")
+    else:
+        names = []
+        for made in ("refs/heads/", "refs/tags/"):
+            short = target_ref.removeprefix(made)
+            if short != target_ref and short.startswith(_SHORT_REF_PREFIXES):
+                names += [f"refs/{short}", short]
+    resource = lease_resource(kind, target_ref)
     return [name for name in dict.fromkeys(names) if name != resource]
 
 

@@ -382,6 +382,30 @@ async def test_a_lease_on_the_bare_branch_name_from_before_the_upgrade_still_con
             await claim(store, params(step="push", kind="git-push", target="release"))
 
 
+_GIT_MAY_MAKE = [
+    ("heads/release", "refs/heads/heads/release"),
+    ("heads/release", "refs/tags/heads/release"),
+    ("tags/v1", "refs/heads/tags/v1"),
+    ("tags/v1", "refs/tags/tags/v1"),
+]
+
+
+@pytest.mark.parametrize(("first", "second"), [*_GIT_MAY_MAKE, *((b, a) for a, b in _GIT_MAY_MAKE)])
+async def test_a_short_ref_name_and_each_ref_git_may_make_of_it_contend(
+    short_tmp: Path, first: str, second: str
+) -> None:
+    """A push to ``heads/release`` goes to refs/heads/release if the remote has it,
+    else git makes refs/heads/heads/release (refs/tags/heads/release for a tag): so a
+    claim on the short name and one on any of those (another run) contend, whichever
+    comes first (a review found the full name granted after the short one)."""
+    async with opened(short_tmp) as store:
+        await claim(store, params(step="push", kind="git-push", target=first))
+        with pytest.raises(EffectLeaseHeld):
+            await claim(store, params(step="push", kind="git-push", target=second,
+                                      run="run_other", attempt="b-1"),
+                        holder=OTHER_LIVE)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("target", "held"),
     [("heads/main", "heads/main"), ("heads/main", "refs/heads/heads/main"),
