@@ -321,12 +321,16 @@ class Store:
                 self._rotating_to = token
                 try:
                     await self.write(lambda tx: set_generation(tx.conn, token))
-                except TowerdError:
-                    self._maybe.append(token)  # committed or not: the record accepts both
+                except BaseException:
+                    # Committed or not (a queued write runs even once its caller went
+                    # away, cancelled): the record accepts both, and so must the store.
+                    self._maybe.append(token)
                     raise
                 finally:
                     self._rotating_to = None
-            except (OSError, TowerdError) as exc:  # a full disk, shutting down
+            except Exception as exc:  # a full disk, stopping, a database error
+                if not isinstance(exc, (OSError, TowerdError, *self.DB_ERRORS)):
+                    raise
                 log.error("generation_not_rotated", code="internal", error=str(exc),
                           state_dir=str(state_dir))  # fmt: skip
                 return
