@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgspec
+
 from towerd.daemon.processes import Holder
 from towerd.daemon.store import boxes, quota
 from towerd.daemon.store.idempotency import log_operator_action, once_under_key
@@ -664,7 +666,9 @@ def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptR
     keys_adopted = tx.conn.execute(
         "UPDATE idempotency SET daemon_id = ? WHERE daemon_id = ?", (tx.daemon_id, from_daemon_id)
     ).rowcount
-    settled = settle(tx, interrupted)
+    # On a shared store that box's processes are not this machine's: none is evidence.
+    settled = settle(tx if tx.one_box else msgspec.structs.replace(tx, as_dead_box=True),
+                     interrupted)  # fmt: skip
     detail: dict[str, Any] = {
         "from_daemon_id": from_daemon_id, "adopted": adopted, "keys_adopted": keys_adopted
     }  # fmt: skip

@@ -4,14 +4,14 @@ the presence TTL is dead for everyone, and any live daemon settles what it held.
 Presence is on the server's clock (every box's ``tx.now`` is, daemon/store/pg.py), so
 boxes whose clocks differ agree on who lapsed; and a box is declared dead only once the
 declaring box has also seen its presence unchanged for the TTL on its own monotonic
-clock (:class:`Sightings`), so a step in the server's clock declares no live box dead. Only a box's own daemon checks its pids
-(tx.own_box); for another box, its presence is the only evidence: once it lapses, every
-holder of that box is dead, and the box's rows are settled exactly as its own sweep
-would settle them with every holder dead: its keys turn ``outcome_unknown`` (or complete
-from evidence), its leases are freed, its shared in-flight effects parked ``uncertain``,
-its workers ``crashed``. A box that comes back finds itself declared dead and serves
-again under a new epoch (pg_store.PgStore); what its holders held stays released, and
-fencing refuses their late commits.
+clock (:class:`Sightings`), so a step in the server's clock declares no live box dead.
+Only a box's own daemon checks its pids (tx.own_box); for another box, its presence is
+the only evidence: once it lapses, every holder of that box is dead, and the box's rows
+are settled exactly as its own sweep would settle them with every holder dead: its keys
+turn ``outcome_unknown`` (or complete from evidence), its leases are freed, its shared
+in-flight effects parked ``uncertain``, its workers ``crashed``. A box that comes back
+finds itself declared dead and serves again under a new epoch (pg_store.PgStore); what
+its holders held stays released, and fencing refuses their late commits.
 
 The declaring box logs ``box_declared_dead`` once its transaction committed, from the
 commit itself: the heartbeat sends the declaration with the batch's change notes

@@ -28,7 +28,7 @@ from towerd.client import (
     run_once,
 )
 from towerd.protocol import ERROR_CODES, error_for_code
-from towerd_testing import db_location, plant_foreign_rows, wait_box_dead
+from towerd_testing import db_location, plant_foreign_rows, start_declaring, wait_box_dead
 
 pytestmark = pytest.mark.both_backends
 
@@ -441,7 +441,7 @@ def test_fleet_adopt_takes_over_foreign_rows(daemon):
         ours = c.session_register(cwd="/ours", agent="a")["session_id"]
     assert daemon.stop() == 0
     foreign = plant_foreign_rows(daemon.state_dir, "gone-daemon", 2, store=daemon.store)
-    daemon.start()
+    start_declaring(daemon)
     with daemon.client() as c:
         assert c.hello["owner_epoch"] == 2
         own = c.hello["daemon_id"]

@@ -19,7 +19,7 @@ import pytest
 
 from towerd.client import Unavailable, results, stubgen
 from towerd.protocol.methods import METHODS
-from towerd_testing import plant_foreign_rows, wait_box_dead, wait_for
+from towerd_testing import plant_foreign_rows, start_declaring, wait_box_dead, wait_for
 
 pytestmark = pytest.mark.both_backends
 
@@ -199,7 +199,7 @@ def exercise_every_method(client: Any, short_tmp: Any, uncertain: str, backend: 
 def test_every_answer_matches_its_typed_dict(daemon, short_tmp):
     assert daemon.stop() == 0
     plant_foreign_rows(daemon.state_dir, "gone-daemon", store=daemon.store)
-    daemon.start()
+    start_declaring(daemon)
     wait_box_dead(daemon, "gone-daemon")  # PostgreSQL: only a dead box is adopted
     uncertain = park_an_uncertain_effect(daemon)
     with daemon.client() as client:
