@@ -171,6 +171,10 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
     store.on_changes = on_changes
     listener = _listen_to_other_boxes(store, hub)
     try:
+        # One liveness sweep before the first answer: what died while no daemon ran (a
+        # reboot) is settled first, so no caller is told an agent runs that is gone (a
+        # `fleet restore` at boot found every session still live and launched none).
+        await upkeep.attempt(sweep.NAME, sweep.sweep_once)
         async with anyio.create_task_group() as tasks:
             await tasks.start(server.serve, listening)
             tasks.start_soon(sweep.run)

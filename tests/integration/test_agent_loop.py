@@ -220,6 +220,26 @@ def test_a_killed_agent_lets_go_within_two_seconds(agents, daemon: Daemon):
     assert activity[0]["live"] is False
 
 
+def test_a_daemon_started_after_its_agents_died_shows_none_live_from_its_first_answer(
+    agents, daemon: Daemon
+):
+    """A reboot: the daemon stopped, then its agents gone. A `fleet restore` run as soon
+    as the daemon answered found every session still live (the first liveness sweep came
+    about a second later), launched nothing and exited 0 (a hostile tester's
+    reproducer). The first sweep now runs before the daemon answers anyone."""
+    a = agents()
+    a.hook("SessionStart", source="startup")
+    assert session_of(daemon, a)["live"] is True
+    assert daemon.stop() == 0
+    a.kill9()
+    daemon.start()
+    row = session_of(daemon, a)  # the first answer after READY
+    assert row["live"] is False and row["exited"] is False
+    with daemon.client() as client:
+        plan = client.fleet_restore_plan()["sessions"]
+    assert row["session_id"] in {entry["session_id"] for entry in plan}
+
+
 def test_a_directory_claim_from_the_agents_shell_covers_what_is_below(agents, worktree: Path):
     a, b = agents(), agents()
     a.hook("SessionStart", source="startup")
