@@ -32,13 +32,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from towerd.protocol.errors import IdempotencyInProgress, OutcomeUnknown
+from towerd.protocol.errors import (
+    Conflict,
+    IdempotencyInProgress,
+    IdempotencyKeyUnknown,
+    OutcomeUnknown,
+)
 
 OPERATION = "fleet.restore"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 DEFAULT_TMUX_SESSION = "towerd"
 DEFAULT_TIMEOUT = 60.0  # seconds a launch may take to report its SessionStart
 POLL = 0.2  # seconds between looks at the daemon while waiting
+TMUX_CALL_TIMEOUT = 30.0  # seconds one tmux command may take (a launch's new-window)
 
 # Per agent kind: the command that resumes a session, then the arguments added when
 # the session has a model or an effort. ``{agent_session_id}``, ``{model}``,
@@ -149,7 +155,7 @@ def launch_argv(entry: dict[str, Any], spec: dict[str, list[str]]) -> list[str]:
 
 def _tmux(options: Options, *args: str) -> subprocess.CompletedProcess[str]:
     base = ["tmux"] + (["-L", options.tmux_socket] if options.tmux_socket else [])
-    return subprocess.run([*base, *args], capture_output=True, text=True, timeout=30)
+    return subprocess.run([*base, *args], capture_output=True, text=True, timeout=TMUX_CALL_TIMEOUT)
 
 
 def launch_in_tmux(
@@ -316,7 +322,7 @@ class Restorer:
                     return self.started_elsewhere(
                         outcome, "launched by a run that died; it came up"
                     )
-                continue  # abandoned: no launch happened, claim again
+                continue  # abandoned (here or by another run): claim again
             if claimed["state"] == "completed":
                 return self.started_elsewhere(outcome, "launched earlier this boot")
             break
@@ -359,7 +365,14 @@ class Restorer:
 
     def settle_unknown(self, key: str, session_id: str) -> bool:
         """A launch whose run died: True if it happened (settled completed), False once
-        it is known not to have (settled abandoned). Waits while evidence may come."""
+        it is known not to have (settled abandoned) or another run settled it first (the
+        caller claims again and finds what that run did). Waits while evidence may come.
+
+        The wait counts from the claim and lasts at least as long as the dead run's tmux
+        call could still make the window (its own timeout, which a killed run no longer
+        enforces, bounds the orphaned call): this run's ``--timeout`` alone was shorter
+        than a slow tmux, and a rerun launched the session beside the orphan's window (a
+        hostile tester's reproducer)."""
         record = self.client.idem_get(OPERATION, key)
         since = record["created_at"]
 
@@ -368,25 +381,40 @@ class Restorer:
                 processes_with_session(session_id)
             )
 
-        # The launch timeout counts from the claim (daemon milliseconds).
         waited_ms = max(0, self.client.ping()["now"] - since)
-        left = max(0.0, self.options.timeout - waited_ms / 1000)
-        if self.wait(evidence, left):
-            self.client.idem_resolve(OPERATION, key, "completed", result={"settled": "evidence"})
-            return True
-        self.client.idem_resolve(OPERATION, key, "abandoned")
-        return False
+        left = max(0.0, max(self.options.timeout, TMUX_CALL_TIMEOUT) - waited_ms / 1000)
+        happened = self.wait(evidence, left)
+        try:
+            if happened:
+                self.client.idem_resolve(
+                    OPERATION, key, "completed", result={"settled": "evidence"}
+                )
+            else:
+                self.client.idem_resolve(OPERATION, key, "abandoned")
+        except (Conflict, IdempotencyKeyUnknown):
+            # Another run settled it meanwhile (and may have claimed it again): not an
+            # error of this run's, whose other sessions must still be restored.
+            return False
+        return happened
 
     def started_elsewhere(self, outcome: Outcome, why: str) -> Outcome:
         """Launched by another run (or an earlier one): live within the timeout?"""
         if self.wait(lambda: self.is_live(outcome.session_id), self.options.timeout):
             outcome.result, outcome.reason = "already_live", why
+            return outcome
+        outcome.result = "failed"
+        key = f"{self.boot}:{outcome.session_id}"
+        try:
+            state = self.client.idem_get(OPERATION, key)["state"]
+        except IdempotencyKeyUnknown:
+            state = None
+        if state == "completed":
+            again = f"to launch it again this boot: towerctl idem reopen {OPERATION} {key}"
+        elif state is None:
+            again = "that run released it: towerctl fleet restore again launches it"
         else:
-            outcome.result = "failed"
-            outcome.reason = (
-                f"{why}, but it is not live (to launch it again this boot: towerctl idem "
-                f"reopen {OPERATION} {self.boot}:{outcome.session_id})"
-            )
+            again = f"its launch is {state}; towerctl fleet restore again settles it"
+        outcome.reason = f"{why}, but it is not live ({again})"
         return outcome
 
 

@@ -215,3 +215,35 @@ def test_the_launch_table_is_configurable(fleet: Fleet, tmp_path: Path):
     assert code == 0, report
     (launch,) = fleet.launches()
     assert launch["argv"] == ["--resume", "c-2", "--from-config", "--model", "opus"]
+
+
+SLOW_TMUX = """\
+#!/bin/sh
+# tmux, slow to make a window (a loaded box): says so in a file, then waits.
+case " $* " in *" new-window "*|*" new-session "*) touch "$SLOW_TMUX_MARK"; sleep 3;; esac
+exec {tmux} "$@"
+"""
+
+
+def test_a_rerun_with_a_short_timeout_waits_out_the_dead_run_s_slow_tmux(
+    fleet: Fleet, tmp_path: Path
+):
+    """A run killed while its tmux call was still making the window leaves that call
+    running; a rerun with `--timeout 1` gave up on evidence after its own second,
+    launched the session, and the orphaned call launched it too: two agents (a hostile
+    tester's reproducer). The rerun now waits as long as a tmux call may take."""
+    (session,) = fleet.dead_sessions(count=1)
+    mark = tmp_path / "tmux-called"
+    tmux = fleet.bin / "tmux"
+    tmux.write_text(SLOW_TMUX.format(tmux=shutil.which("tmux")))
+    tmux.chmod(0o755)
+    fleet.env["SLOW_TMUX_MARK"] = str(mark)
+    run = fleet.restore("--session", session)
+    wait_for(mark.exists, timeout=20, what="the run's tmux call")
+    run.send_signal(signal.SIGKILL)  # its claim stays; its tmux call goes on
+    run.communicate(timeout=30)
+    rerun = fleet.restore("--session", session, "--timeout", "1")
+    rerun.communicate(timeout=60)
+    with fleet.daemon.client() as client:
+        wait_for(lambda: client.fleet_get(session)["live"] is True, what="the session live")
+    assert started(fleet) == {session: 1}
