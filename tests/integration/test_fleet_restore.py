@@ -247,3 +247,50 @@ def test_a_rerun_with_a_short_timeout_waits_out_the_dead_run_s_slow_tmux(
     with fleet.daemon.client() as client:
         wait_for(lambda: client.fleet_get(session)["live"] is True, what="the session live")
     assert started(fleet) == {session: 1}
+
+
+CLAIM_AND_EXIT = """
+import sys
+from towerd.client import Client
+with Client(sys.argv[1]) as client:
+    client.idem_claim("fleet.restore", sys.argv[2], payload={"session_id": sys.argv[3],
+                      "boot_id": sys.argv[4]})
+"""
+
+
+def test_a_run_that_loses_the_race_to_settle_a_key_goes_on_with_its_plan(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+):
+    """Two runs settling one dead run's key at once: the loser's `idem resolve` was
+    refused (the winner had settled and claimed it again) and the whole run exited 1,
+    the rest of its plan never launched (a hostile tester's reproducer). Now it claims
+    again, finds the other run launching it, and goes on."""
+    from towerd.client import Client
+    from towerd.client.restore import OPERATION, Options, Restorer, boot_id
+
+    parent, raced, child = fleet.dead_sessions()
+    key, boot = f"{boot_id()}:{raced}", boot_id()
+    subprocess.run([sys.executable, "-c", CLAIM_AND_EXIT, str(fleet.daemon.socket_path), key,
+                    raced, boot], check=True)  # fmt: skip
+    with fleet.daemon.client() as client:
+        wait_for(lambda: client.idem_get(OPERATION, key)["state"] == "outcome_unknown",
+                 what="the dead run's key unknown")  # fmt: skip
+    for name, value in fleet.env.items():
+        monkeypatch.setenv(name, value)
+    with Client(fleet.daemon.socket_path) as client, fleet.daemon.client() as other:
+        restorer = Restorer(client, Options(tmux_socket=fleet.tmux_socket, timeout=10))
+        real_wait = restorer.wait
+
+        def wait(condition, timeout):  # the other run settles the key first
+            if other.idem_get(OPERATION, key)["state"] == "outcome_unknown":
+                other.idem_resolve(OPERATION, key, "abandoned")
+                other.idem_claim(OPERATION, key, payload={"session_id": raced, "boot_id": boot})
+                return False
+            return real_wait(condition, min(timeout, 3))
+
+        restorer.wait = wait  # type: ignore[method-assign]
+        outcomes = {outcome.session_id: outcome for outcome in restorer.run()}
+    assert outcomes[parent].result == "started" and outcomes[child].result == "started"
+    assert outcomes[raced].result == "failed"
+    assert "another restore run is launching it" in outcomes[raced].reason
+    assert started(fleet) == {parent: 1, child: 1}
