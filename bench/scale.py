@@ -88,6 +88,15 @@ def private_dir(path: Path) -> Path:
 # --- building ------------------------------------------------------------------------------
 
 
+# The columns _session_rows fills, named: later schema steps added columns (the agent's
+# process and liveness, left empty here: no agent runs), and a bare VALUES list broke.
+SESSION_COLUMNS = (
+    "session_id", "agent_session_id", "name", "cwd", "agent", "pinned", "last_attached_at",
+    "exited", "parent", "prompt", "result", "transcript_path", "model", "effort", "target",
+    "target_identity", "daemon_id", "owner_epoch", "updated_at",
+)  # fmt: skip
+
+
 def _session_rows(count: int, daemon_id: str, epoch: int, now: int) -> list[tuple[Any, ...]]:
     ids = [str(uuid.uuid4()) for _ in range(count)]
     rows = []
@@ -195,7 +204,8 @@ def build(cache_dir: Path, keys: int, fleet_rows: int, rebuild: bool) -> tuple[P
         sessions = _session_rows(fleet_rows, daemon_id, epoch, now)
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
-            f"INSERT INTO sessions VALUES ({', '.join('?' * len(sessions[0]))})"
+            f"INSERT INTO sessions ({', '.join(SESSION_COLUMNS)}) "
+            f"VALUES ({', '.join('?' * len(SESSION_COLUMNS))})"
             if sessions
             else "SELECT 1",
             sessions,
