@@ -111,7 +111,13 @@ class AsyncAPI:
         cursor: int | None = ...,
     ) -> IdemListResult: ...
     async def idem_resolve(
-        self, operation: str, key: str, outcome: str, result: Any = ...
+        self,
+        operation: str,
+        key: str,
+        outcome: str,
+        result: Any = ...,
+        *,
+        effect_ref: str | None = ...,
     ) -> IdemResolveResult: ...
     async def idem_reopen(
         self,

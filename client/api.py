@@ -206,12 +206,21 @@ class TowerdAPI:
         )
 
     def idem_resolve(
-        self, operation: str, key: str, outcome: str, result: Any = None
+        self,
+        operation: str,
+        key: str,
+        outcome: str,
+        result: Any = None,
+        *,
+        effect_ref: str | None = None,
     ) -> IdemResolveResult:
-        """Operator recovery of an ``outcome_unknown`` key: ``completed`` or ``abandoned``."""
+        """Operator recovery of an ``outcome_unknown`` key: ``completed`` or ``abandoned``
+        (and, if given, only if its claim is the one with this ``effect_ref``)."""
         return self.call(
             "idem.resolve",
-            {"operation": operation, "key": key, "outcome": outcome, "result": result},
+            _given(
+                operation=operation, key=key, outcome=outcome, result=result, effect_ref=effect_ref
+            ),
         )
 
     def idem_reopen(

@@ -426,6 +426,14 @@ def resolve(tx: Tx, caller: Caller, params: IdemResolveParams) -> IdemResolveRes
             "unknown first if its holder is stuck)",
             state=row.record.state,
         )
+    if params.effect_ref is not None and params.effect_ref != row.record.effect_ref:
+        raise _refused(
+            operation,
+            key,
+            "was claimed again since the claim given was read (another effect_ref); read "
+            "it again (idem.get) and resolve the claim you mean",
+            effect_ref=row.record.effect_ref,
+        )
     record: IdemRecord | None = None
     if outcome == COMPLETED:
         record = _set_state(tx, principal, row, COMPLETED, result)

@@ -102,6 +102,10 @@ class IdemListResult(Struct):
 class IdemResolveParams(IdemKeyParams):
     outcome: Literal["completed", "abandoned"]
     result: Any = None
+    # The unknown claim's effect_ref as read: a key claimed again since (a new claim has
+    # a new one) is not resolved, so a decision about one claim never settles another.
+    # None: not checked.
+    effect_ref: EffectRef | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -77,8 +77,12 @@ async def release(store: Store, key: str, principal: str = ME) -> IdemReleaseRes
     return await store.write(idem.release, caller(principal), IdemKeyParams(OP, key))
 
 
-async def resolve(store: Store, key: str, outcome: str, result: Any) -> IdemResolveResult:
-    params = IdemResolveParams(operation=OP, key=key, outcome=outcome, result=result)
+async def resolve(
+    store: Store, key: str, outcome: str, result: Any, effect_ref: str | None = None
+) -> IdemResolveResult:
+    params = IdemResolveParams(
+        operation=OP, key=key, outcome=outcome, result=result, effect_ref=effect_ref
+    )
     return await store.write(idem.resolve, caller(ME), params)
 
 
@@ -504,6 +508,26 @@ async def test_resolve_abandoned_deletes_the_key_and_is_logged(short_tmp: Path) 
     assert [
         json.loads(d)["outcome"] for (d,) in query(short_tmp, "SELECT detail FROM operator_log")
     ] == ["abandoned"]
+
+
+async def test_resolve_with_an_effect_ref_settles_only_that_claim(short_tmp: Path) -> None:
+    """Two restore runs settling one unknown key: the first abandoned it, claimed it
+    again, and its claim turned unknown too; the second, still deciding about the claim
+    it had read, abandoned the first's new claim, and both launched (a review's
+    reproducer). Given the effect_ref read, a claim made since is not resolved."""
+    async with opened(short_tmp) as store:
+        old = await claim(store)
+        await mark_unknown(store, "k1")
+        await resolve(store, "k1", "abandoned", None, effect_ref=old.effect_ref)
+        new = await claim(store, attempt="second")
+        await mark_unknown(store, "k1")
+        before = await get(store, "k1")
+        for outcome in ("completed", "abandoned"):
+            with pytest.raises(Conflict) as caught:
+                await resolve(store, "k1", outcome, None, effect_ref=old.effect_ref)
+            assert caught.value.data["effect_ref"] == new.effect_ref
+        assert await get(store, "k1") == before
+        assert (await resolve(store, "k1", "abandoned", None, new.effect_ref)).outcome
 
 
 @pytest.mark.parametrize("state", ["in_progress", "completed"])
