@@ -373,8 +373,11 @@ class Restorer:
         enforces, bounds the orphaned call): this run's ``--timeout`` alone was shorter
         than a slow tmux, and a rerun launched the session beside the orphan's window (a
         hostile tester's reproducer)."""
-        record = self.client.idem_get(OPERATION, key)
-        since = record["created_at"]
+        try:
+            record = self.client.idem_get(OPERATION, key)
+        except IdempotencyKeyUnknown:
+            return False  # another run abandoned it meanwhile: claim again
+        since, ref = record["created_at"], record["effect_ref"]
 
         def evidence() -> bool:
             return self.session_started_since(session_id, since) or bool(
@@ -385,16 +388,19 @@ class Restorer:
         left = max(0.0, max(self.options.timeout, TMUX_CALL_TIMEOUT) - waited_ms / 1000)
         happened = self.wait(evidence, left)
         try:
+            # Only the claim read above: one claimed again since (by a run that settled
+            # it first) is another launch, not this one's to decide.
             if happened:
                 self.client.idem_resolve(
-                    OPERATION, key, "completed", result={"settled": "evidence"}
+                    OPERATION, key, "completed", result={"settled": "evidence"}, effect_ref=ref
                 )
             else:
-                self.client.idem_resolve(OPERATION, key, "abandoned")
+                self.client.idem_resolve(OPERATION, key, "abandoned", effect_ref=ref)
         except (Conflict, IdempotencyKeyUnknown):
             # Another run settled it meanwhile (and may have claimed it again): not an
-            # error of this run's, whose other sessions must still be restored.
-            return False
+            # error of this run's, whose other sessions must still be restored. Seen
+            # launched, it is that run's; else claim again and find what it did.
+            return happened
         return happened
 
     def started_elsewhere(self, outcome: Outcome, why: str) -> Outcome:
@@ -412,6 +418,8 @@ class Restorer:
             again = f"to launch it again this boot: towerctl idem reopen {OPERATION} {key}"
         elif state is None:
             again = "that run released it: towerctl fleet restore again launches it"
+        elif state == "in_progress":
+            again = "another run is launching it: wait for it, or look at its tmux window"
         else:
             again = f"its launch is {state}; towerctl fleet restore again settles it"
         outcome.reason = f"{why}, but it is not live ({again})"

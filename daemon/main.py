@@ -50,6 +50,7 @@ from towerd.protocol.errors import TooSlow
 
 EXIT_OK = 0
 EXIT_ALREADY_RUNNING = 75  # EX_TEMPFAIL
+STARTUP_SWEEP_S = 2.0  # the liveness sweep before the first answer, at most
 EXIT_REFUSED = 78  # EX_CONFIG: restarting will not help
 
 log = structlog.get_logger("towerd")
@@ -174,7 +175,12 @@ async def serve(config, store, listening, socket_path: Path, stop: StopRequest) 
         # One liveness sweep before the first answer: what died while no daemon ran (a
         # reboot) is settled first, so no caller is told an agent runs that is gone (a
         # `fleet restore` at boot found every session still live and launched none).
-        await upkeep.attempt(sweep.NAME, sweep.sweep_once)
+        # Bounded: a store that stalls (PostgreSQL) must not keep every caller waiting;
+        # a sweep that fails or is cut short is logged, and the periodic one follows.
+        with anyio.move_on_after(STARTUP_SWEEP_S) as sweep_scope:
+            await upkeep.attempt(sweep.NAME, sweep.sweep_once)
+        if sweep_scope.cancelled_caught:
+            log.warning("startup_sweep_cut_short", code="unavailable", seconds=STARTUP_SWEEP_S)
         async with anyio.create_task_group() as tasks:
             await tasks.start(server.serve, listening)
             tasks.start_soon(sweep.run)

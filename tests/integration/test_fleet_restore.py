@@ -219,8 +219,13 @@ def test_the_launch_table_is_configurable(fleet: Fleet, tmp_path: Path):
 
 SLOW_TMUX = """\
 #!/bin/sh
-# tmux, slow to make a window (a loaded box): says so in a file, then waits.
-case " $* " in *" new-window "*|*" new-session "*) touch "$SLOW_TMUX_MARK"; sleep 3;; esac
+# tmux, slow to make a window (a loaded box): each such call is a line in a file when
+# it starts and another when it is done.
+case " $* " in
+*" new-window "*|*" new-session "*)
+    echo start >> "$SLOW_TMUX_MARK"; sleep 3; {tmux} "$@"; status=$?
+    echo done >> "$SLOW_TMUX_MARK"; exit $status;;
+esac
 exec {tmux} "$@"
 """
 
@@ -243,10 +248,17 @@ def test_a_rerun_with_a_short_timeout_waits_out_the_dead_run_s_slow_tmux(
     run.send_signal(signal.SIGKILL)  # its claim stays; its tmux call goes on
     run.communicate(timeout=30)
     rerun = fleet.restore("--session", session, "--timeout", "1")
-    rerun.communicate(timeout=60)
-    with fleet.daemon.client() as client:
-        wait_for(lambda: client.fleet_get(session)["live"] is True, what="the session live")
-    assert started(fleet) == {session: 1}
+    out, err = rerun.communicate(timeout=60)
+    calls = mark.read_text().split()
+    wait_for(lambda: (c := mark.read_text().split()).count("start") == c.count("done"),
+             timeout=20, what="every tmux call done")  # fmt: skip
+    windows = subprocess.run(
+        ["tmux", "-L", fleet.tmux_socket, "list-windows", "-a", "-F", "#{window_id}"],
+        capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    wait_for(lambda: len(fleet.launches()) == len(windows), what="an agent in every window")
+    assert started(fleet) == {session: 1}, (calls, out, err)
+    assert json.loads(out)["sessions"][0]["result"] == "already_live", out
 
 
 CLAIM_AND_EXIT = """
@@ -278,7 +290,7 @@ def test_a_run_that_loses_the_race_to_settle_a_key_goes_on_with_its_plan(
     for name, value in fleet.env.items():
         monkeypatch.setenv(name, value)
     with Client(fleet.daemon.socket_path) as client, fleet.daemon.client() as other:
-        restorer = Restorer(client, Options(tmux_socket=fleet.tmux_socket, timeout=10))
+        restorer = Restorer(client, Options(tmux_socket=fleet.tmux_socket, timeout=8))
         real_wait = restorer.wait
 
         def wait(condition, timeout):  # the other run settles the key first
@@ -286,7 +298,7 @@ def test_a_run_that_loses_the_race_to_settle_a_key_goes_on_with_its_plan(
                 other.idem_resolve(OPERATION, key, "abandoned")
                 other.idem_claim(OPERATION, key, payload={"session_id": raced, "boot_id": boot})
                 return False
-            return real_wait(condition, min(timeout, 3))
+            return real_wait(condition, timeout)
 
         restorer.wait = wait  # type: ignore[method-assign]
         outcomes = {outcome.session_id: outcome for outcome in restorer.run()}
