@@ -824,7 +824,9 @@ def git_push_target(args: argparse.Namespace, argv: list[str]) -> dict[str, str]
     commit = _git(repo, "rev-parse", "--verify", "--end-of-options", f"{revision}^{{commit}}")
     if commit is None:
         raise NotProbeable(f"{revision!r} is not a commit in {repo}")
-    if ref.startswith(("heads/", "tags/")):
+    from towerd.protocol.naming import SHORT_REF_PREFIXES  # as the lease reads them
+
+    if ref.startswith(SHORT_REF_PREFIXES):
         # git pushes it to refs/<ref> if the remote has that ref, else makes a new one,
         # refs/heads/<ref> or (a tag pushed) refs/tags/<ref>: which, only the remote knows.
         raise NotProbeable(f"the destination {ref!r} names one of two refs (give --ref refs/...)")

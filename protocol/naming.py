@@ -131,7 +131,7 @@ def effect_requires_lease(
 # A push destination that does not start with ``refs/`` is, to git (git-push(1),
 # ``<dst>``), the remote's ref it ends with: ``main`` and ``heads/main`` are
 # refs/heads/main, ``tags/v1`` is refs/tags/v1.
-_SHORT_REF_PREFIXES = ("heads/", "tags/")
+SHORT_REF_PREFIXES = ("heads/", "tags/")
 
 
 def lease_resource(kind: str, target_ref: str) -> str:
@@ -141,7 +141,7 @@ def lease_resource(kind: str, target_ref: str) -> str:
     once)."""
     if kind != "git-push" or target_ref.startswith("refs/"):
         return target_ref
-    if target_ref.startswith(_SHORT_REF_PREFIXES):
+    if target_ref.startswith(SHORT_REF_PREFIXES):
         return f"refs/{target_ref}"
     return f"refs/heads/{target_ref}"
 
@@ -159,13 +159,13 @@ def other_lease_names(kind: str, target_ref: str) -> list[str]:
         return []
     if not target_ref.startswith("refs/"):
         names = [target_ref, f"refs/heads/{target_ref}"]
-        if target_ref.startswith(_SHORT_REF_PREFIXES):
+        if target_ref.startswith(SHORT_REF_PREFIXES):
             names.append(f"refs/tags/{target_ref}")
     else:
         names = []
         for made in ("refs/heads/", "refs/tags/"):
             short = target_ref.removeprefix(made)
-            if short != target_ref and short.startswith(_SHORT_REF_PREFIXES):
+            if short != target_ref and short.startswith(SHORT_REF_PREFIXES):
                 names += [f"refs/{short}", short]
     resource = lease_resource(kind, target_ref)
     return [name for name in dict.fromkeys(names) if name != resource]
