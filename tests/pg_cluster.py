@@ -118,10 +118,13 @@ class PgCluster:
         locale: str = "C",
         base: str = "/tmp",
         also_on: tuple[str, str] | None = None,
+        server_env: Mapping[str, str] | None = None,
     ) -> None:
         """``also_on``: (an address of this machine, a network in CIDR): the server also
         listens on that address and trusts clients of that network (a test's network
-        namespace reaching it over a veth pair); the address must exist at start."""
+        namespace reaching it over a veth pair); the address must exist at start.
+        ``server_env``: more environment for the server (libfaketime, for a test that
+        steps the server's clock)."""
         binaries = bindir()
         if binaries is None:
             raise RuntimeError(postgres_available() or "no PostgreSQL binaries")
@@ -129,6 +132,7 @@ class PgCluster:
         self.durable = durable
         self.locale = locale
         self.also_on = also_on
+        self.server_env = dict(server_env or {})
         self.base = base  # where the temp root goes: a short path (socket paths are limited)
         self.as_server_user = os.geteuid() == 0
         self.root: Path | None = None
@@ -420,6 +424,10 @@ class PgCluster:
 
     def _run(self, *argv: str | Path) -> subprocess.CompletedProcess[str]:
         command = [str(arg) for arg in argv]
+        if self.server_env and Path(command[0]).name == "pg_ctl":
+            # set after the switch of user: a preloaded library (libfaketime) loaded by
+            # runuser as root would make state the server's user cannot open
+            command = ["env", *(f"{k}={v}" for k, v in self.server_env.items()), *command]
         if self.as_server_user:
             command = [runuser() or "runuser", "-u", SERVER_USER, "--", *command]
         # No PG* settings of the caller's environment reach the server tools; messages

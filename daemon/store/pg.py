@@ -12,8 +12,9 @@ as far as the store functions use it, so one body of SQL serves both backends:
 * a ``bool`` argument is sent as the integer the schema stores;
 * ``BEGIN IMMEDIATE`` (SQLite: take the write lock now) is ``BEGIN`` and a transaction
   advisory lock every box's writer takes, so writes are serial across boxes exactly as
-  they are in one SQLite file; the server's clock is read under that lock
-  (``server_now``): every TTL and deadline in the shared store is on the server's clock;
+  they are in one SQLite file; the fleet's clock is read under that lock
+  (``server_now``: the server's, never below the highest reading a batch recorded):
+  every TTL and deadline in the shared store is on it;
 * ``total_changes`` and ``in_transaction`` mean what they mean in sqlite3.
 
 The writer lock makes every check-then-write in the store functions as safe on
@@ -42,17 +43,37 @@ CONNECT_TIMEOUT_S = 5  # every call that needs the store answers within this (is
 
 # floor, not the cast's rounding: a millisecond is the one that has begun, as in now_ms
 _SERVER_NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+# The fleet's clock: the server's, never below the highest reading a batch recorded in
+# meta (FLEET_CLOCK_KEY). Every box reads the same value at the same point of the write
+# order, so a lease one box grants is read with the same clock by every other, also
+# after the server's clock stepped back: it then stands still at the recorded reading
+# until the server's catches up. (Each box held its own highest reading instead, and
+# after a step back of 120 s a box that had run before it read a 60 s lease granted by
+# another box since as expired and granted it again: a hostile tester's reproducer.)
+FLEET_CLOCK_KEY = "fleet_clock_ms"
+FLEET_CLOCK_EVERY_MS = 200  # a batch records its reading when the record is this old
+_RECORDED_MS = f"(SELECT value::bigint FROM meta WHERE key = '{FLEET_CLOCK_KEY}')"
+_FLEET_NOW_MS = f"GREATEST({_SERVER_NOW_MS}, COALESCE({_RECORDED_MS}, 0))"
 # One simple-protocol message, one round trip: the statements run in order, and in READ
 # COMMITTED each takes its snapshot when it starts, so the clock is read, and every later
 # statement sees every commit made, once the lock is granted.
-_BEGIN_WRITE = f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK}); SELECT {_SERVER_NOW_MS}"
+_BEGIN_WRITE = f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK}); SELECT {_FLEET_NOW_MS}"
 # A write batch's head, prepared once per connection (parsed and planned on every batch,
-# inside the lock, it cost 45-90 us more per batch than EXECUTE: measured).
+# inside the lock, it cost 45-90 us more per batch than EXECUTE: measured): the fleet's
+# clock (recorded when the record is FLEET_CLOCK_EVERY_MS old: after a step back the
+# clock a box reads may be that much below its previous batch's, never above another
+# box's), this daemon's epoch and dead_at.
 _BATCH_HEAD = "towerd_batch_head"
 _PREPARE_BATCH_HEAD = (
-    f"PREPARE {_BATCH_HEAD}(text) AS SELECT {_SERVER_NOW_MS}, "
+    f"PREPARE {_BATCH_HEAD}(text) AS "
+    f"WITH clock AS (SELECT {_SERVER_NOW_MS} AS server_ms, {_RECORDED_MS} AS recorded_ms), "
+    "recorded AS (INSERT INTO meta (key, value) "
+    f"SELECT '{FLEET_CLOCK_KEY}', server_ms::text FROM clock "
+    f"WHERE recorded_ms IS NULL OR recorded_ms <= server_ms - {FLEET_CLOCK_EVERY_MS} "
+    "ON CONFLICT (key) DO UPDATE SET value = excluded.value) "
+    "SELECT GREATEST(server_ms, COALESCE(recorded_ms, 0)), "
     "(SELECT owner_epoch FROM daemons WHERE daemon_id = $1), "
-    "(SELECT dead_at FROM daemons WHERE daemon_id = $1)"
+    "(SELECT dead_at FROM daemons WHERE daemon_id = $1) FROM clock"
 ).encode()
 _DML = ("INSERT", "UPDATE", "DELETE", "MERGE")
 _DML_STATUS = tuple(verb.encode() for verb in _DML)
@@ -290,8 +311,8 @@ class PgConnection:
         return self.raw.closed or self.raw.broken
 
     def server_now_ms(self) -> int:
-        """The server's clock now (one round trip), outside the writer's lock."""
-        row = self.raw.execute(f"SELECT {_SERVER_NOW_MS}").fetchone()
+        """The fleet's clock now (one round trip), outside the writer's lock."""
+        row = self.raw.execute(f"SELECT {_FLEET_NOW_MS}").fetchone()
         assert row is not None
         return int(row[0])
 

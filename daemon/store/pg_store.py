@@ -230,7 +230,7 @@ class PgStore(Store):
                  reconciliation: ReconcileReport, dsn: str) -> None:  # fmt: skip
         self.dsn = dsn
         self._last_now = identity.now
-        self._server_ahead_ms = 0  # the server's clock minus towerd's, at the last batch
+        self._server_ahead_ms = identity.now - now_ms()  # the fleet's clock minus towerd's
         self.sightings = presence.Sightings()  # other boxes' presence, on our own clock
         self.reachable = True  # the last transaction reached the server
         self.store_error: str | None = None  # why not, when it did not
@@ -368,19 +368,20 @@ class PgStore(Store):
 
     def _batch_now(self, conn: Any) -> int:
         self._mark(None)  # the writer lock was granted: the server answers
-        if conn.server_now is not None:
-            self._server_ahead_ms = conn.server_now - now_ms()
-        now = max(conn.server_now or 0, self._last_now)
-        self._last_now = now
+        if conn.server_now is None:  # not read (no batch head): the last one, as a floor
+            return self._last_now
+        # The fleet's clock as the server gave it (daemon/store/pg.py), not held at this
+        # box's own highest: every box must read a deadline with the same clock.
+        now = self._last_now = conn.server_now
+        self._server_ahead_ms = now - now_ms()
         return now
 
     def _read_clock(self) -> int:
-        """A read's clock is the server's too (what is due or expired is decided on it,
-        issue 16), without a round trip: towerd's clock plus how far the server's was
+        """A read's clock is the fleet's too (what is due or expired is decided on it,
+        issue 16), without a round trip: towerd's clock plus how far the fleet's was
         ahead at the last batch (the presence heartbeat makes one every few seconds),
-        and never behind a batch this box made: a read after a write sees its deadlines
-        as the write set them."""
-        return max(now_ms() + self._server_ahead_ms, self._last_now)
+        so a read after a write sees its deadlines as the write set them."""
+        return now_ms() + self._server_ahead_ms
 
     def _broken(self, conn: Any) -> bool:
         return bool(conn.broken)

@@ -56,10 +56,10 @@ class Sightings:
     monotonic clock. A box is declared dead only once it is both lapsed on the server's
     clock and seen unchanged here for the TTL: the server's clock alone is not enough,
     because a step in it (NTP, a VM resumed) made a box that heartbeats every interval
-    look lapsed to a box whose clock reading is held at its highest (``PgStore``'s
-    ``_batch_now`` never goes back), and a live box was declared dead and its live
-    holders' leases granted again (a hostile tester's reproducer, libfaketime on the
-    server). The price: after its own start a box declares no one dead for a TTL."""
+    look lapsed to the other boxes at their first heartbeat after it, and a live box
+    was declared dead and its live holders' leases granted again (a hostile tester's
+    reproducer, libfaketime on the server; tests/integration/test_pg_clock_steps.py).
+    The price: after its own start a box declares no one dead for a TTL."""
 
     def __init__(self) -> None:
         self._seen: dict[str, tuple[int, float]] = {}  # box -> (presence_at, seen since)

@@ -156,6 +156,37 @@ async def test_a_batch_that_waited_for_the_lock_reads_the_clock_after_its_wait(
         assert await pending >= held_until
 
 
+async def test_a_batch_reads_the_fleet_clock_never_below_another_box_s_recorded_reading(
+    short_tmp: Path,
+) -> None:
+    """PostgreSQL: a batch's clock is the fleet's, the server's never below the highest
+    reading a batch recorded (daemon/store/pg.py); another box's batch that read the
+    server's clock before it stepped back recorded a reading above the server's now,
+    and this box reads that, the same clock the other box granted its leases on."""
+    if backend() != "postgresql":
+        pytest.skip("the embedded store's clock is towerd's own, not a server's")
+    import psycopg
+
+    from towerd.daemon.store.pg import FLEET_CLOCK_EVERY_MS, FLEET_CLOCK_KEY
+
+    def now_of(tx: Tx) -> int:
+        return tx.now
+
+    async with opened(short_tmp) as store:
+        first = await store.write(now_of)
+        with psycopg.connect(store_dsn(short_tmp), autocommit=True) as other:
+            (recorded,) = other.execute(
+                "SELECT value::bigint FROM meta WHERE key = %s", (FLEET_CLOCK_KEY,)
+            ).fetchone()
+            assert first - FLEET_CLOCK_EVERY_MS <= recorded <= first
+            ahead = first + 3_600_000  # another box's reading, before a step back of 1 h
+            other.execute(
+                "UPDATE meta SET value = %s WHERE key = %s", (str(ahead), FLEET_CLOCK_KEY)
+            )
+        assert await store.write(now_of) == ahead  # stands still until the server passes
+        assert await store.write(now_of) == ahead
+
+
 @pytest.mark.sqlite_only
 async def test_a_write_lock_held_past_the_busy_timeout_refuses_the_batch_and_keeps_serving(
     short_tmp: Path,

@@ -1,0 +1,158 @@
+"""Steps of the PostgreSQL server's clock, several boxes on one fleet: real daemons, a
+real private cluster whose wall clock libfaketime steps (its monotonic clock untouched,
+as an NTP step leaves it), the real client.
+
+Every deadline in a shared store is on the fleet's clock: the server's, never below the
+highest reading a write batch recorded (daemon/store/pg.py). What is proven here: after
+a step back larger than a lease's TTL, a lease granted through a box that started after
+the step is not granted again through a box that ran before it (each box held its own
+highest reading, and the older box read the new lease as expired: a hostile tester's
+reproducer, a 60 s lease, a 120 s step back); after a step forward longer than the
+presence TTL, no heartbeating box is declared dead and no live holder's lease is
+granted again (the server's clock alone declared the other box dead on the first
+heartbeat after the step: another of that tester's reproducers).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pg_cluster import PgCluster, postgres_available, require_postgres
+from towerd.client import LeaseHeld
+from towerd_testing import Daemon, wait_for
+
+FAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))), Path("-"))
+pytestmark = pytest.mark.skipif(
+    not FAKETIME.exists() and os.environ.get("CI") != "true",
+    reason="needs libfaketime (Debian package faketime)",
+)
+
+PRESENCE = ["--presence-interval", "0.5", "--presence-ttl", "30"]  # nobody lapses here
+TTL_S = 5
+QUICK_PRESENCE = ["--presence-interval", "0.5", "--presence-ttl", str(TTL_S)]
+
+
+class ServerClock:
+    """The offset libfaketime applies to the server's wall clock, read on every call
+    (a file the server's user can read)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="fk-", dir="/tmp"))
+        self.dir.chmod(0o755)
+        self.path = self.dir / "offset"
+        self.set(0)
+
+    def set(self, seconds: int) -> None:
+        staging = self.dir / "offset.new"
+        staging.write_text(f"{seconds:+d}s\n")
+        staging.chmod(0o644)
+        os.replace(staging, self.path)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "LD_PRELOAD": str(FAKETIME),
+            "FAKETIME_TIMESTAMP_FILE": str(self.path),
+            "FAKETIME_NO_CACHE": "1",
+            "DONT_FAKE_MONOTONIC": "1",
+        }
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def forget_stale_faketime_segments() -> None:
+    """libfaketime (0.9.10) makes a semaphore and a shared memory segment named after
+    the pid of each preloaded process it starts in, and nothing removes them when that
+    process is killed: the suite's faked daemons (root, under CI) leave hundreds. When
+    the server's first process (another user) gets the pid of one of them, it cannot
+    make its own, and the server does not start. The dead ones go first."""
+    shm = Path("/dev/shm")
+    for entry in [*shm.glob("faketime_shm_*"), *shm.glob("sem.faketime_sem_*")]:
+        pid = entry.name.rsplit("_", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            entry.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def stepped() -> Iterator[tuple[PgCluster, ServerClock]]:
+    require_postgres(postgres_available())
+    forget_stale_faketime_segments()
+    clock = ServerClock()
+    try:
+        with PgCluster(server_env=clock.env()) as cluster:
+            yield cluster, clock
+    finally:
+        clock.close()
+
+
+def server_ms(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def box(
+    make_daemon: Callable[..., Daemon], name: str, dsn: str, presence: list[str] = PRESENCE
+) -> Daemon:
+    daemon = make_daemon(name)
+    daemon.extra_args = ["--store", dsn, *presence]
+    return daemon
+
+
+def test_a_step_back_longer_than_a_lease_grants_it_once(
+    make_daemon: Callable[..., Daemon], stepped: tuple[PgCluster, ServerClock]
+) -> None:
+    cluster, clock = stepped
+    dsn = cluster.new_database(migrated=True)
+    older = box(make_daemon, "a", dsn).start()
+    with older.client() as client:  # batches on the clock before the step
+        warm = client.lease_acquire("warm-up", ttl_ms=5000)
+        client.lease_release("warm-up", warm["fencing_token"])
+    before = server_ms(dsn)
+    clock.set(-120)
+    wait_for(lambda: server_ms(dsn) < before - 100_000, timeout=10, what="the step back")
+    newer = box(make_daemon, "b", dsn).start()
+    with newer.client() as on_newer, older.client() as on_older:
+        granted = on_newer.lease_acquire("deploy/prod", ttl_ms=60_000)
+        with pytest.raises(LeaseHeld):
+            on_older.lease_acquire("deploy/prod", ttl_ms=60_000)
+        # and the holder still holds it, through either box
+        on_newer.lease_renew("deploy/prod", granted["fencing_token"], ttl_ms=60_000)
+        with pytest.raises(LeaseHeld):
+            on_older.lease_acquire("deploy/prod", ttl_ms=60_000)
+
+
+def test_a_step_forward_longer_than_the_presence_ttl_declares_no_live_box_dead(
+    make_daemon: Callable[..., Daemon], stepped: tuple[PgCluster, ServerClock]
+) -> None:
+    cluster, clock = stepped
+    dsn = cluster.new_database(migrated=True)
+    a = box(make_daemon, "a", dsn, QUICK_PRESENCE).start()
+    b = box(make_daemon, "b", dsn, QUICK_PRESENCE).start()
+    with a.client() as on_a, b.client() as on_b:
+        granted = on_b.lease_acquire("deploy/prod", ttl_ms=600_000)
+        before = server_ms(dsn)
+        clock.set(30)
+        wait_for(lambda: server_ms(dsn) > before + 25_000, timeout=10, what="the step forward")
+        stepped_at = server_ms(dsn)
+
+        def a_beat_a_ttl_after_the_step() -> bool:
+            mine = [entry for entry in on_a.boxes_list()["boxes"] if entry["self"]]
+            return mine[0]["presence_at"] > stepped_at + (TTL_S + 1) * 1000
+
+        # The old rule declared B dead at A's first heartbeat after the step; the rule
+        # now waits for B's presence to stay unchanged for the TTL on A's own clock.
+        wait_for(a_beat_a_ttl_after_the_step, timeout=30, what="A's heartbeats past a TTL")
+        boxes = on_b.boxes_list()["boxes"]
+        assert [(entry["state"], entry["dead_at"]) for entry in boxes] == [("present", None)] * 2
+        with pytest.raises(LeaseHeld):
+            on_a.lease_acquire("deploy/prod", ttl_ms=600_000)
+        on_b.lease_renew("deploy/prod", granted["fencing_token"], ttl_ms=600_000)
