@@ -73,7 +73,8 @@ _PREPARE_BATCH_HEAD = (
     "ON CONFLICT (key) DO UPDATE SET value = excluded.value) "
     "SELECT GREATEST(server_ms, COALESCE(recorded_ms, 0)), "
     "(SELECT owner_epoch FROM daemons WHERE daemon_id = $1), "
-    "(SELECT dead_at FROM daemons WHERE daemon_id = $1) FROM clock"
+    "(SELECT dead_at FROM daemons WHERE daemon_id = $1), "
+    "GREATEST(COALESCE(recorded_ms, 0) - server_ms, 0) FROM clock"
 ).encode()
 _DML = ("INSERT", "UPDATE", "DELETE", "MERGE")
 _DML_STATUS = tuple(verb.encode() for verb in _DML)
@@ -170,7 +171,8 @@ class PgConnection:
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.raw = conn
         self.total_changes = 0
-        self.server_now: int | None = None  # the server's clock, read by BEGIN IMMEDIATE
+        self.server_now: int | None = None  # the fleet's clock, read by BEGIN IMMEDIATE
+        self.server_behind_ms = 0  # how far the server's was below it, at the last batch
         self._notes: list[bytes] = []  # pg_notify statements sent with the next COMMIT
         self._begin_batch: dict[str, bytes] = {}  # daemon id -> its batch's first message
         self._tx = Transformer(conn)  # psycopg's adapters: arguments out, rows in
@@ -254,6 +256,7 @@ class PgConnection:
         self._notes.clear()
         result = self._exec(message)
         self.server_now = _int(self._value(result, 0))
+        self.server_behind_ms = _int(self._value(result, 3))
         epoch, dead_at = self._value(result, 1), self._value(result, 2)
         return (
             None if epoch is None else _int(epoch),

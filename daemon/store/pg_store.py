@@ -199,6 +199,7 @@ class _Call:
 
 CALL_DEADLINE_S = 5.0  # issue 16: "every call that needs the store answers within 5 s"
 STUCK_AFTER_S = 2 * CALL_DEADLINE_S  # a call still on its connection then is cut off
+STANDING_STILL_MS = 1000  # the server's clock this far below the fleet's is a step back
 INLINE_BOUND_S = 2  # a read on the event loop's own connection (read_now) is cut off then
 
 
@@ -232,6 +233,7 @@ class PgStore(Store):
         self._last_now = identity.now
         self._server_ahead_ms = identity.now - now_ms()  # the fleet's clock minus towerd's
         self.sightings = presence.Sightings()  # other boxes' presence, on our own clock
+        self.clock_standing_still = False  # the server's clock is below the fleet's
         self.reachable = True  # the last transaction reached the server
         self.store_error: str | None = None  # why not, when it did not
         super().__init__(config, writer, reader, identity, reconciliation, Path(os.devnull))
@@ -374,7 +376,22 @@ class PgStore(Store):
         # box's own highest: every box must read a deadline with the same clock.
         now = self._last_now = conn.server_now
         self._server_ahead_ms = now - now_ms()
+        self._note_standing_still(conn.server_behind_ms)
         return now
+
+    def _note_standing_still(self, behind_ms: int) -> None:
+        """Say when the fleet's clock stands still because the server's stepped back
+        (nothing expires and no box is declared dead meanwhile), and when it moves on."""
+        standing = behind_ms > STANDING_STILL_MS
+        if standing and not self.clock_standing_still:
+            log.warning(
+                "fleet_clock_standing_still", code="unavailable", behind_ms=behind_ms,
+                why="the PostgreSQL server's clock went back below the fleet's: nothing "
+                "expires until it catches up",
+            )  # fmt: skip
+        elif self.clock_standing_still and not standing:
+            log.info("fleet_clock_moving", behind_ms=behind_ms)
+        self.clock_standing_still = standing
 
     def _read_clock(self) -> int:
         """A read's clock is the fleet's too (what is due or expired is decided on it,

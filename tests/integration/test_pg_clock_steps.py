@@ -128,6 +128,9 @@ def test_a_step_back_longer_than_a_lease_grants_it_once(
         on_newer.lease_renew("deploy/prod", granted["fencing_token"], ttl_ms=60_000)
         with pytest.raises(LeaseHeld):
             on_older.lease_acquire("deploy/prod", ttl_ms=60_000)
+    for name, daemon in (("older", older), ("newer", newer)):  # each says why nothing expires
+        wait_for(lambda d=daemon: "fleet_clock_standing_still" in d.log(), timeout=10,
+                 what=f"the {name} box's warning")  # fmt: skip
 
 
 def test_a_step_forward_longer_than_the_presence_ttl_declares_no_live_box_dead(
