@@ -15,7 +15,10 @@ launching it: it waits for that launch's SessionStart). A key whose run died mid
 is ``outcome_unknown``: it is settled from evidence, the session's SessionStart after
 the claim or a live process of this user whose environment carries the session's
 ``TOWERD_SESSION_ID``; without either it is relaunched only once the launch timeout
-has passed since the claim (until then the evidence may still come).
+has passed since the claim (until then the evidence may still come). The window's
+command checks its claim at the daemon before it starts the agent
+(client/restore_guard.py): a window made late, after its run died, starts nothing
+another launch already started.
 
 The launch command per agent kind is a table (``DEFAULT_LAUNCHERS``, overridden by the
 TOML file ``$XDG_CONFIG_HOME/towerd/restore.toml``); an agent kind without one is
@@ -28,10 +31,12 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from towerd.client.restore_guard import OPERATION
 from towerd.protocol.errors import (
     Conflict,
     IdempotencyInProgress,
@@ -39,7 +44,6 @@ from towerd.protocol.errors import (
     OutcomeUnknown,
 )
 
-OPERATION = "fleet.restore"
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 DEFAULT_TMUX_SESSION = "towerd"
 DEFAULT_TIMEOUT = 60.0  # seconds a launch may take to report its SessionStart
@@ -158,23 +162,11 @@ def _tmux(options: Options, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*base, *args], capture_output=True, text=True, timeout=TMUX_CALL_TIMEOUT)
 
 
-def launch_in_tmux(
-    options: Options, window: str, cwd: str, session_id: str, argv: list[str]
-) -> str:
-    """Start ``argv`` in a new window of the fleet's tmux session (made if missing) with
-    TOWERD_SESSION_ID set; returns the window's id."""
-    command = "exec " + shlex.join(argv)
-    common = [
-        "-P",
-        "-F",
-        "#{window_id}",
-        "-n",
-        window,
-        "-c",
-        cwd,
-        "-e",
-        f"TOWERD_SESSION_ID={session_id}",
-    ]
+def launch_in_tmux(options: Options, window: str, cwd: str, guarded: list[str]) -> str:
+    """Start ``guarded`` (``guarded_argv``) in a new window of the fleet's tmux session
+    (made if missing); returns the window's id."""
+    command = "exec " + shlex.join(guarded)
+    common = ["-P", "-F", "#{window_id}", "-n", window, "-c", cwd]
     target = options.tmux_session
     if _tmux(options, "has-session", "-t", f"={target}").returncode != 0:
         made = _tmux(options, "new-session", "-d", "-s", target, *common, command)
@@ -185,6 +177,15 @@ def launch_in_tmux(
     if done.returncode != 0:
         raise OSError(f"tmux new-window failed: {done.stderr.strip()}")
     return done.stdout.strip()
+
+
+def guarded_argv(client: Any, key: str, ref: str, session_id: str, argv: list[str]) -> list[str]:
+    """``argv`` behind the window's check of its claim (client/restore_guard.py), which
+    also sets TOWERD_SESSION_ID for the agent."""
+    return [
+        sys.executable, "-m", "towerd.client.restore_guard", client.socket_path,
+        client.principal or "", key, ref, session_id, "--", *argv,
+    ]  # fmt: skip
 
 
 def pane_alive(options: Options, window_id: str) -> bool:
@@ -333,8 +334,7 @@ class Restorer:
                 self.options,
                 entry.get("name") or session_id[:8],
                 entry["cwd"],
-                session_id,
-                outcome.argv,
+                guarded_argv(self.client, key, record["effect_ref"], session_id, outcome.argv),
             )
         except (OSError, subprocess.SubprocessError) as exc:
             self.client.idem_release(OPERATION, key)  # nothing started: a retry may launch

@@ -306,3 +306,102 @@ def test_a_run_that_loses_the_race_to_settle_a_key_goes_on_with_its_plan(
     assert outcomes[raced].result == "failed"
     assert "another restore run is launching it" in outcomes[raced].reason
     assert started(fleet) == {parent: 1, child: 1}
+
+
+GATED_TMUX = """\
+#!/bin/sh
+# tmux whose first window-making call waits for a gate file (a tmux server stalled for
+# as long as the test likes); a line in a file when that call starts, another when done.
+case " $* " in
+*" new-window "*|*" new-session "*)
+    if mkdir "$GATED_TMUX_FIRST" 2>/dev/null; then
+        echo start >> "$GATED_TMUX_MARK"
+        while [ ! -e "$GATED_TMUX_GATE" ]; do sleep 0.05; done
+        {tmux} "$@"; status=$?
+        echo done >> "$GATED_TMUX_MARK"; exit $status
+    fi;;
+esac
+exec {tmux} "$@"
+"""
+
+
+class OrphanedLaunch:
+    """A run killed while its tmux call (gated) was making the session's window: the
+    call goes on and makes the window once ``release()`` opens the gate."""
+
+    def __init__(self, fleet: Fleet, root: Path, session: str) -> None:
+        self.fleet, self.session = fleet, session
+        self.mark, self.gate = root / "tmux-called", root / "tmux-gate"
+        subprocess.run(
+            ["tmux", "-L", fleet.tmux_socket, "new-session", "-d", "-s", "towerd", "-n",
+             "placeholder", "sleep 100000"], env=fleet.env, check=True,
+        )  # fmt: skip
+        tmux = fleet.bin / "tmux"
+        tmux.write_text(GATED_TMUX.format(tmux=shutil.which("tmux")))
+        tmux.chmod(0o755)
+        fleet.env.update(GATED_TMUX_MARK=str(self.mark), GATED_TMUX_GATE=str(self.gate),
+                         GATED_TMUX_FIRST=str(root / "tmux-first"))  # fmt: skip
+        run = fleet.restore("--session", session)
+        wait_for(self.mark.exists, timeout=20, what="the run's tmux call")
+        run.send_signal(signal.SIGKILL)  # its claim stays; its tmux call goes on
+        run.communicate(timeout=30)
+        from towerd.client.restore import OPERATION, boot_id
+
+        self.operation, self.key = OPERATION, f"{boot_id()}:{session}"
+        with fleet.daemon.client() as client:
+            wait_for(lambda: client.idem_get(OPERATION, self.key)["state"] == "outcome_unknown",
+                     what="the dead run's claim unknown")  # fmt: skip
+            self.ref = client.idem_get(OPERATION, self.key)["effect_ref"]
+
+    def windows(self) -> list[str]:
+        return subprocess.run(
+            ["tmux", "-L", self.fleet.tmux_socket, "list-windows", "-a", "-F", "#{window_id}"],
+            capture_output=True, text=True,
+        ).stdout.split()  # fmt: skip
+
+    def release(self) -> None:
+        """Open the gate; return once the orphan's window exists and its command either
+        started an agent or exited (every window but the placeholder runs an agent)."""
+        self.gate.touch()
+        wait_for(lambda: "done" in self.mark.read_text().split(), timeout=20,
+                 what="the orphaned tmux call")  # fmt: skip
+        wait_for(lambda: len(self.windows()) - 1 == len(self.fleet.launches()),
+                 timeout=20, what="an agent in every window, or the window gone")  # fmt: skip
+
+
+def test_a_window_made_after_a_rerun_launched_the_session_does_not_start_it_again(
+    fleet: Fleet, tmp_path: Path
+):
+    """A tmux call that outlives its dead run by more than a rerun waits (a stalled tmux
+    server): the rerun settled the dead claim abandoned and launched the session; the
+    orphaned call then made its window, which launched the agent a second time. The
+    window's command now checks its claim at the daemon first (client/restore_guard.py).
+    The rerun's 30 s wait for evidence is taken as over: the test settles the dead
+    claim as it does after it (``idem resolve`` abandoned, under the claim's ref)."""
+    (session,) = fleet.dead_sessions(count=1)
+    orphan = OrphanedLaunch(fleet, tmp_path, session)
+    with fleet.daemon.client() as client:
+        client.idem_resolve(orphan.operation, orphan.key, "abandoned", effect_ref=orphan.ref)
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "started", report
+    orphan.release()
+    assert started(fleet) == {session: 1}
+    assert len(orphan.windows()) == 2  # the placeholder and the rerun's
+
+
+def test_a_window_made_after_its_run_died_settles_the_launch_and_a_rerun_finds_it(
+    fleet: Fleet, tmp_path: Path
+):
+    """The orphaned call's window comes first: it settles the dead run's claim completed
+    (the daemon picks between it and a rerun) and starts the agent; a rerun finds the
+    session launched and live."""
+    (session,) = fleet.dead_sessions(count=1)
+    orphan = OrphanedLaunch(fleet, tmp_path, session)
+    orphan.release()
+    assert started(fleet) == {session: 1}
+    with fleet.daemon.client() as client:
+        record = client.idem_get(orphan.operation, orphan.key)
+    assert (record["state"], record["result"]) == ("completed", {"settled": "window"})
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "already_live", report
+    assert started(fleet) == {session: 1}
