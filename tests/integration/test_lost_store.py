@@ -73,6 +73,23 @@ def test_an_idle_daemon_notices_by_itself(daemon):
     assert '"store_lost"' in daemon.log()
 
 
+def test_an_idle_daemon_notices_a_backup_copied_over_it_by_itself(daemon, short_tmp):
+    """No request needed either for a backup copied over the file in place (same inode,
+    the file guard sees nothing): the once-a-second guard reads the file's generation,
+    finds one this daemon never wrote, and the daemon stops before anyone is answered
+    from the backup."""
+    db, backup = daemon.state_dir / "towerd.db", short_tmp / "backup.db"
+    with daemon.client() as client:
+        client.backup(str(backup))
+    _complete(daemon, "after-backup")
+    with closing(sqlite3.connect(db)) as conn:
+        conn.execute("PRAGMA busy_timeout = 5000")
+        assert conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0
+    shutil.copyfile(backup, db)
+    assert daemon.proc.wait(10) == EXIT_REFUSED
+    assert "an older copy (a backup?) was written over it" in daemon.log()
+
+
 def test_a_removed_wal_is_not_written_into(daemon):
     """The WAL alone removed (its acknowledged keys would be gone at the next start):
     the next write is not acknowledged. After a commit the WAL is checked for being
