@@ -405,3 +405,44 @@ def test_a_window_made_after_its_run_died_settles_the_launch_and_a_rerun_finds_i
     code, report = fleet.restored("--session", session)
     assert code == 0 and report["sessions"][0]["result"] == "already_live", report
     assert started(fleet) == {session: 1}
+
+
+def test_a_launch_found_elsewhere_but_not_live_gets_advice_for_its_key_s_state(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+):
+    """A session another run launched (or is launching) that is not live by the timeout:
+    the advice follows the launch's key as it stands (it said `idem reopen` for a key
+    another run had released, and reopen then failed), and the one for a completed key
+    works: after `towerctl idem reopen` the next restore starts the session."""
+    from towerd.client import Client
+    from towerd.client.restore import OPERATION, Options, Outcome, Restorer, boot_id
+
+    (session,) = fleet.dead_sessions(count=1)
+    key, boot = f"{boot_id()}:{session}", boot_id()
+    for name, value in fleet.env.items():
+        monkeypatch.setenv(name, value)
+    with Client(fleet.daemon.socket_path) as client, fleet.daemon.client() as other:
+        restorer = Restorer(client, Options(tmux_socket=fleet.tmux_socket, timeout=0.3))
+
+        def advice() -> str:
+            outcome = Outcome(session, None, "claude", "skipped")
+            return restorer.started_elsewhere(outcome, "seen elsewhere").reason
+
+        assert "that run released it: towerctl fleet restore again launches it" in advice()
+        subprocess.run([sys.executable, "-c", CLAIM_AND_EXIT, str(fleet.daemon.socket_path),
+                        key, session, boot], check=True)  # fmt: skip
+        wait_for(lambda: other.idem_get(OPERATION, key)["state"] == "outcome_unknown",
+                 what="the dead claimant's key unknown")  # fmt: skip
+        assert "its launch is outcome_unknown; towerctl fleet restore again settles" in advice()
+        other.idem_resolve(OPERATION, key, "abandoned")
+        other.idem_claim(OPERATION, key, payload={"session_id": session, "boot_id": boot})
+        assert "another run is launching it" in advice()
+        other.idem_complete(OPERATION, key, result={"window": "gone"})
+        said = advice()
+    assert f"towerctl idem reopen {OPERATION} {key}" in said
+    reopened = subprocess.run([TOWERCTL, "idem", "reopen", OPERATION, key], env=fleet.env,
+                              capture_output=True, text=True)  # fmt: skip
+    assert reopened.returncode == 0, reopened
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "started", report
+    assert started(fleet) == {session: 1}
