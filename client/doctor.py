@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from towerd.client.sync import Client
-from towerd.protocol.errors import TowerdError
+from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.paths import default_socket_path, default_state_dir
 
 if TYPE_CHECKING:
@@ -40,12 +40,22 @@ def examine(
     findings: list[Finding] = []
     report: DoctorResult | None = None
     last_seen: list[Any] | None = None
+    unreachable: str | None = None  # why the daemon cannot reach its store
     shared = False  # the store is PostgreSQL: no database file here, db_path is its DSN
     try:
         with Client(socket_path, principal=principal, timeout=60) as client:
             status = client.status()
-            report = client.doctor(full=full)
-            last_seen = _last_seen(client)
+            # A store the daemon cannot reach (status says so at once once it knows) is
+            # asked nothing more: each call would wait out its 5 s deadline.
+            unreachable = _unreachable_store(status.get("store"))
+            if unreachable is None:
+                try:
+                    report = client.doctor(full=full)
+                    last_seen = _last_seen(client)
+                except Unavailable as exc:
+                    if (exc.data or {}).get("reason") != "store_unreachable":
+                        raise
+                    unreachable = exc.message
         findings.append(
             Finding(
                 "daemon",
@@ -55,6 +65,17 @@ def examine(
             )
         )
         findings += _health_findings(status)
+        if unreachable is not None:
+            findings.append(
+                Finding(
+                    "store",
+                    "error",
+                    f"the daemon cannot reach its store: {unreachable}",
+                    "check the PostgreSQL server and the network path to it; the daemon "
+                    "serves again by itself once it answers (a write answered `unavailable` "
+                    "meanwhile: retry it with the same key)",
+                )
+            )
         store = status.get("store")
         shared = store is not None and store.get("backend") == "postgresql"
         if (told := status.get("state_dir")) is not None:
@@ -140,6 +161,13 @@ def _private_path(path: Path, what: str, *, want_dir: bool, socket: bool = False
 
 CLOCK_OFFSET_WARNING_MS = 60_000
 DISK_WARNING_BYTES = 64 * 1024 * 1024
+
+
+def _unreachable_store(store: Any) -> str | None:
+    """Why the daemon cannot reach its store, if ``status`` says it cannot."""
+    if not store or store.get("reachable", True):
+        return None
+    return str(store.get("error") or "no answer")
 
 
 def _health_findings(status: StatusResult) -> list[Finding]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,7 +48,7 @@ from towerd.client import (
     TowerdError,
     Unavailable,
 )
-from towerd_testing import Daemon, wait_for
+from towerd_testing import TOWERCTL, Daemon, wait_for
 
 DEADLINE_S = 6.5  # the store's 5 s deadline, and slack for a loaded machine
 AT_ONCE_S = 1.0  # what needs no store answers in well under this
@@ -107,6 +108,22 @@ def assert_status_says_unreachable(client: Any) -> None:
     assert error is None, repr(error)
     assert elapsed < DEADLINE_S, f"status took {elapsed:.2f}s"
     assert status["store"]["reachable"] is False, status["store"]
+
+
+def assert_doctor_says_unreachable(daemon: Daemon) -> None:
+    """``towerctl doctor`` answers within the deadline, names the store as the fault, and
+    gives no advice meant for a damaged file (it said "restore the latest backup" and
+    "schema version 0, run the matching towerd version" for a network fault)."""
+    began = time.monotonic()
+    done = subprocess.run(
+        [TOWERCTL, "--socket", str(daemon.socket_path), "doctor"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    elapsed = time.monotonic() - began
+    assert elapsed < DEADLINE_S, f"doctor took {elapsed:.2f}s"
+    assert done.returncode == 1, done
+    assert "the daemon cannot reach its store" in done.stdout, done.stdout
+    assert "backup" not in done.stdout and "schema version" not in done.stdout, done.stdout
 
 
 def served(call: Callable[[], Any]) -> Callable[[], Any]:
@@ -268,6 +285,7 @@ def test_postgresql_killed_answers_unavailable_within_the_deadline_then_serves_a
                 answers_unreachable(call, what)
                 answers_at_once(ca)
             assert_status_says_unreachable(ca)
+            assert_doctor_says_unreachable(a)
             assert a.proc is not None and a.proc.poll() is None, a.log()
 
             cluster.restart()
@@ -342,6 +360,7 @@ def test_a_partitioned_box_answers_unavailable_within_the_deadline_and_ping_at_o
         assert not errors, errors
         assert set(results) == set(calls), results
         answers_at_once(ca)
+        assert_doctor_says_unreachable(a)  # a silent path: no call waits out a deadline
         proxy.resume()
         again = wait_for(served(lambda: register(ca, "during")), timeout=10,
                          what="box a to serve again once the partition heals")  # fmt: skip
