@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from towerd.client.restore_guard import OPERATION
+from towerd.client.restore_guard import GUARD_ENV, OPERATION, RUN_MARK
 from towerd.protocol.errors import (
     Conflict,
     IdempotencyInProgress,
@@ -49,6 +49,7 @@ DEFAULT_TMUX_SESSION = "towerd"
 DEFAULT_TIMEOUT = 60.0  # seconds a launch may take to report its SessionStart
 POLL = 0.2  # seconds between looks at the daemon while waiting
 TMUX_CALL_TIMEOUT = 30.0  # seconds one tmux command may take (a launch's new-window)
+GUARD_WAIT_S = 60.0  # seconds a rerun waits at most for a window still checking its claim
 
 # Per agent kind: the command that resumes a session, then the arguments added when
 # the session has a model or an effort. ``{agent_session_id}``, ``{model}``,
@@ -162,11 +163,16 @@ def _tmux(options: Options, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*base, *args], capture_output=True, text=True, timeout=TMUX_CALL_TIMEOUT)
 
 
-def launch_in_tmux(options: Options, window: str, cwd: str, guarded: list[str]) -> str:
+def launch_in_tmux(
+    options: Options, window: str, cwd: str, session_id: str, guarded: list[str]
+) -> str:
     """Start ``guarded`` (``guarded_argv``) in a new window of the fleet's tmux session
-    (made if missing); returns the window's id."""
+    (made if missing); returns the window's id. The window carries no TOWERD_SESSION_ID
+    (a tmux server started inside an agent session inherited one) until its check sets
+    it for the agent, and GUARD_ENV while that check decides."""
     command = "exec " + shlex.join(guarded)
-    common = ["-P", "-F", "#{window_id}", "-n", window, "-c", cwd]
+    common = ["-P", "-F", "#{window_id}", "-n", window, "-c", cwd,
+              "-e", "TOWERD_SESSION_ID=", "-e", f"{GUARD_ENV}={session_id}"]  # fmt: skip
     target = options.tmux_session
     if _tmux(options, "has-session", "-t", f"={target}").returncode != 0:
         made = _tmux(options, "new-session", "-d", "-s", target, *common, command)
@@ -181,10 +187,13 @@ def launch_in_tmux(options: Options, window: str, cwd: str, guarded: list[str]) 
 
 def guarded_argv(client: Any, key: str, ref: str, session_id: str, argv: list[str]) -> list[str]:
     """``argv`` behind the window's check of its claim (client/restore_guard.py), which
-    also sets TOWERD_SESSION_ID for the agent."""
+    also sets TOWERD_SESSION_ID for the agent. ``-P``: the window starts in the session's
+    cwd, whose own modules (a project's ``select.py``) must not stand in for Python's or
+    towerd's; the socket absolute, for the same reason."""
     return [
-        sys.executable, "-m", "towerd.client.restore_guard", client.socket_path,
-        client.principal or "", key, ref, session_id, "--", *argv,
+        sys.executable, "-P", "-m", "towerd.client.restore_guard",
+        os.path.abspath(client.socket_path), client.principal or "", key, ref, session_id,
+        "--", *argv,
     ]  # fmt: skip
 
 
@@ -198,7 +207,12 @@ def pane_alive(options: Options, window_id: str) -> bool:
 
 def processes_with_session(session_id: str) -> list[int]:
     """Live processes of this user whose environment carries TOWERD_SESSION_ID=session_id."""
-    needle = f"TOWERD_SESSION_ID={session_id}".encode()
+    return processes_with("TOWERD_SESSION_ID", session_id)
+
+
+def processes_with(name: str, value: str) -> list[int]:
+    """Live processes of this user whose environment carries ``name=value``."""
+    needle = f"{name}={value}".encode()
     uid, found = os.geteuid(), []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -328,16 +342,18 @@ class Restorer:
                 return self.started_elsewhere(outcome, "launched earlier this boot")
             break
         record = self.client.idem_get(OPERATION, key)
+        ref = record["effect_ref"]
         window = self.options.tmux_session + ":" + (entry.get("name") or session_id[:8])
         try:
             window_id = launch_in_tmux(
                 self.options,
                 entry.get("name") or session_id[:8],
                 entry["cwd"],
-                guarded_argv(self.client, key, record["effect_ref"], session_id, outcome.argv),
+                session_id,
+                guarded_argv(self.client, key, ref, session_id, outcome.argv),
             )
         except (OSError, subprocess.SubprocessError) as exc:
-            self.client.idem_release(OPERATION, key)  # nothing started: a retry may launch
+            self.settle_own(key, ref, None)  # nothing started: a retry may launch
             outcome.result, outcome.reason = "failed", f"could not launch: {exc}"
             return outcome
         outcome.window = window
@@ -346,13 +362,23 @@ class Restorer:
             self.options.timeout,
         )
         if not started and not pane_alive(self.options, window_id):
-            self.client.idem_release(OPERATION, key)  # the agent is gone: a retry may launch
+            now = self.settle_own(key, ref, None)  # the agent is gone: a retry may launch
             outcome.result = "failed"
-            outcome.reason = f"the agent exited before its SessionStart (tmux {window})"
+            outcome.reason = (
+                f"the agent exited before its SessionStart, or its window's check of the "
+                f"claim did not start it (tmux {window}; the daemon unreachable from there?)"
+            )
+            if now is not None:
+                outcome.reason += f"; its launch is {now}"
             return outcome
-        self.client.idem_complete(
-            OPERATION, key, result={"window": window, "window_id": window_id, "argv": outcome.argv}
-        )
+        # The result names the window (RUN_MARK): a window whose check of the claim was
+        # still starting then starts its agent (client/restore_guard.py).
+        result = {"window": window, RUN_MARK: window_id, "argv": outcome.argv}
+        now = self.settle_own(key, ref, result)
+        if now not in (None, "completed"):  # settled by another run meanwhile
+            outcome.result = "failed"
+            outcome.reason = f"its launch was settled {now} by another run (tmux {window})"
+            return outcome
         if not started:
             outcome.result = "failed"
             outcome.reason = (
@@ -362,6 +388,24 @@ class Restorer:
             return outcome
         outcome.result, outcome.reason = "started", f"in tmux {window}"
         return outcome
+
+    def settle_own(self, key: str, ref: str, result: dict[str, Any] | None) -> str | None:
+        """Complete (with ``result``) or release (None) this run's claim ``ref``; None if
+        done, else the launch's state now: its window may have settled it ``completed``
+        (the claim was turned outcome_unknown under a live run: a PostgreSQL box declared
+        dead, an operator's mark-unknown), or another run, after that, something else."""
+        try:
+            if result is None:
+                self.client.idem_release(OPERATION, key)
+            else:
+                self.client.idem_complete(OPERATION, key, result=result)
+            return None
+        except (Conflict, IdempotencyKeyUnknown):
+            try:
+                record = self.client.idem_get(OPERATION, key)
+            except IdempotencyKeyUnknown:
+                return "released"
+            return str(record["state"]) if record["effect_ref"] == ref else "claimed again"
 
     def settle_unknown(self, key: str, session_id: str) -> bool:
         """A launch whose run died: True if it happened (settled completed), False once
@@ -387,6 +431,12 @@ class Restorer:
         waited_ms = max(0, self.client.ping()["now"] - since)
         left = max(0.0, max(self.options.timeout, TMUX_CALL_TIMEOUT) - waited_ms / 1000)
         happened = self.wait(evidence, left)
+        if not happened and processes_with(GUARD_ENV, session_id):
+            # A window still checking the claim may yet start the agent: wait for it to
+            # decide (its calls are bounded; one stopped, past GUARD_WAIT_S, is not).
+            self.wait(lambda: evidence() or not processes_with(GUARD_ENV, session_id),
+                      GUARD_WAIT_S)  # fmt: skip
+            happened = evidence()
         try:
             # Only the claim read above: one claimed again since (by a run that settled
             # it first) is another launch, not this one's to decide.

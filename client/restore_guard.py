@@ -5,33 +5,44 @@ A run killed while its tmux call was still making the window leaves that call go
 a rerun settles the dead run's claim (after the longest a tmux call may take) and, with
 no sign of the agent, launches the session itself. A tmux server stalled for longer
 still made the orphan's window afterwards, and the session ran twice. The window now
-asks the daemon first (``python -m towerd.client.restore_guard SOCKET PRINCIPAL KEY
+asks the daemon first (``python -P -m towerd.client.restore_guard SOCKET PRINCIPAL KEY
 REF SESSION -- ARGV``, the run's own socket and principal, "" for none):
 
 * the claim in progress under REF: the run is alive and launching: start;
+* completed under REF by its own run (a result naming the window: the run stopped
+  waiting for the agent's SessionStart while this check was still starting): start;
 * settled ``outcome_unknown`` under REF (the run died): this window settles it
   ``completed`` itself, the daemon deciding between it and a rerun settling it
   ``abandoned``: the first wins;
-* anything else (released, claimed again, completed): another launch is the
-  session's, and this window exits without starting the agent;
+* anything else (released, claimed again, completed from evidence): another launch is
+  the session's, and this window exits without starting the agent;
 * no daemon answering: it does not start the agent either (the run, if alive, sees
   the window gone and releases the claim for a retry).
 
 ``TOWERD_SESSION_ID`` is set here, just before the agent is executed: the window's own
-process carries none, so a rerun looking for evidence never takes this check for the
-agent.
+process carries none (the window blanks one the tmux server may have inherited), so a
+rerun looking for evidence never takes this check for the agent. It carries
+``TOWERD_RESTORE_GUARD=<session>`` instead, dropped before the agent starts: a rerun
+waits while a check of the session is still deciding.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from typing import Any
 
 from towerd.client import Client
 from towerd.protocol.errors import Conflict, IdempotencyKeyUnknown, TowerdError
 
 OPERATION = "fleet.restore"  # the idempotency operation of every launch (client/restore.py)
+GUARD_ENV = "TOWERD_RESTORE_GUARD"  # in a window's environment until its agent starts
+RUN_MARK = "window_id"  # in the result of a launch its run completed (client/restore.py)
+SETTLED_BY_WINDOW = {"settled": "window"}  # the result of a launch a window settled
 REFUSED = 3  # exit status of a window that did not start its agent
+CALL_TIMEOUT_S = 10.0  # each call to the daemon
+LOST_ANSWER_S = 5.0  # how long a lost answer to this window's own resolve is looked for
 
 
 def may_start(client: Client, key: str, ref: str) -> str | None:
@@ -42,34 +53,70 @@ def may_start(client: Client, key: str, ref: str) -> str | None:
         return "its claim was released: another restore run launches the session"
     if record["effect_ref"] != ref:
         return "the session was claimed again by another restore run"
-    if record["state"] == "in_progress":
+    if record["state"] == "in_progress" or _completed_by_its_run(record):
         return None
     if record["state"] != "outcome_unknown":
         return f"its claim is {record['state']}: the session was settled by another run"
     try:
-        client.idem_resolve(
-            OPERATION, key, "completed", result={"settled": "window"}, effect_ref=ref
-        )
+        client.idem_resolve(OPERATION, key, "completed", result=SETTLED_BY_WINDOW, effect_ref=ref)
     except (Conflict, IdempotencyKeyUnknown):
         return "another restore run settled the dead run's claim first"
     return None
 
 
+def _completed_by_its_run(record: Any) -> bool:
+    result = record.get("result")
+    return record["state"] == "completed" and isinstance(result, dict) and RUN_MARK in result
+
+
+def _settled_by_this_window(socket_path: str, principal: str, key: str, ref: str) -> bool:
+    """After an answer lost to its own resolve: whether it was applied (read again, on a
+    new connection, for up to LOST_ANSWER_S). Not known: not started."""
+    deadline = time.monotonic() + LOST_ANSWER_S
+    while True:
+        try:
+            with _client(socket_path, principal) as client:
+                record = client.idem_get(OPERATION, key)
+            return (
+                record["effect_ref"] == ref
+                and record["state"] == "completed"
+                and record.get("result") == SETTLED_BY_WINDOW
+            )
+        except IdempotencyKeyUnknown:
+            return False
+        except (OSError, TowerdError):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+
+
+def _client(socket_path: str, principal: str) -> Client:
+    return Client(
+        socket_path,
+        timeout=CALL_TIMEOUT_S,
+        client_name="fleet-restore-window",
+        principal=principal or None,
+    )
+
+
 def main(argv: list[str]) -> int:
-    socket_path, principal, key, ref, session_id, separator, *command = argv
+    try:
+        socket_path, principal, key, ref, session_id, separator, *command = argv
+    except ValueError:
+        separator, command = "", []
     if separator != "--" or not command:
         print("usage: restore_guard SOCKET PRINCIPAL KEY REF SESSION -- ARGV", file=sys.stderr)
         return 2
     try:
-        with Client(
-            socket_path, client_name="fleet-restore-window", principal=principal or None
-        ) as client:
+        with _client(socket_path, principal) as client:
             why = may_start(client, key, ref)
-    except (OSError, TowerdError) as exc:
-        why = f"the daemon did not answer ({exc})"
+    except (OSError, TowerdError) as exc:  # perhaps after its resolve was applied
+        settled = _settled_by_this_window(socket_path, principal, key, ref)
+        why = None if settled else f"the daemon did not answer ({exc})"
     if why is not None:
         print(f"towerd: not starting session {session_id}: {why}", file=sys.stderr)
         return REFUSED
+    os.environ.pop(GUARD_ENV, None)
     os.environ["TOWERD_SESSION_ID"] = session_id
     os.execv(command[0], command)
     return 127  # pragma: no cover - execv does not return

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,7 @@ class Fleet:
         assert done.returncode == 0, done
         self.work = root / "work"
         self.work.mkdir()
+        self.cleanups: list[Callable[[], None]] = []
 
     def launches(self) -> list[dict]:
         if not self.log.exists():
@@ -122,6 +124,8 @@ class Fleet:
         return ids
 
     def close(self) -> None:
+        for cleanup in self.cleanups:
+            cleanup()
         subprocess.run(["tmux", "-L", self.tmux_socket, "kill-server"], capture_output=True)
 
 
@@ -341,6 +345,7 @@ class OrphanedLaunch:
         tmux.chmod(0o755)
         fleet.env.update(GATED_TMUX_MARK=str(self.mark), GATED_TMUX_GATE=str(self.gate),
                          GATED_TMUX_FIRST=str(root / "tmux-first"))  # fmt: skip
+        fleet.cleanups.append(self.gate.touch)  # a failed test leaves no call waiting
         run = fleet.restore("--session", session)
         wait_for(self.mark.exists, timeout=20, what="the run's tmux call")
         run.send_signal(signal.SIGKILL)  # its claim stays; its tmux call goes on
@@ -446,3 +451,97 @@ def test_a_launch_found_elsewhere_but_not_live_gets_advice_for_its_key_s_state(
     code, report = fleet.restored("--session", session)
     assert code == 0 and report["sessions"][0]["result"] == "started", report
     assert started(fleet) == {session: 1}
+
+
+SLOW_SHELL = """\
+#!/bin/sh
+# a shell slow to start (a login shell's nvm, conda...): tmux runs each window's command
+# through its default-shell
+sleep {delay}
+exec /bin/sh "$@"
+"""
+
+
+def slow_window_shell(fleet: Fleet, root: Path, delay: float) -> None:
+    """The fleet's tmux server (started here) runs every window's command through a
+    shell that takes ``delay`` seconds to start."""
+    shell = root / "slow-sh"
+    shell.write_text(SLOW_SHELL.format(delay=delay))
+    shell.chmod(0o755)
+    tmux = ["tmux", "-L", fleet.tmux_socket]
+    subprocess.run([*tmux, "new-session", "-d", "-s", "towerd", "-n", "placeholder",
+                    "sleep 100000"], env=fleet.env, check=True)  # fmt: skip
+    subprocess.run([*tmux, "set-option", "-g", "default-shell", str(shell)], env=fleet.env,
+                   check=True)  # fmt: skip
+
+
+def test_a_window_slower_than_the_run_s_timeout_still_starts_its_agent_once(
+    fleet: Fleet, tmp_path: Path
+):
+    """The run stops waiting for the SessionStart (its `--timeout`) while its window's
+    check of the claim is still starting, and marks the launch completed: the check read
+    "completed" as another run's and never started the agent, and every rerun refused
+    to (a hostile tester's reproducer). A launch its own run completed starts."""
+    (session,) = fleet.dead_sessions(count=1)
+    slow_window_shell(fleet, tmp_path, 4)
+    code, report = fleet.restored("--session", session, "--timeout", "1")
+    assert code == 1 and "no SessionStart within 1 s" in report["sessions"][0]["reason"], report
+    wait_for(lambda: started(fleet) == {session: 1}, timeout=30, what="the late agent")
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "already_live", report
+    assert started(fleet) == {session: 1}
+
+
+def test_a_session_whose_cwd_has_a_module_named_like_python_s_own_starts(fleet: Fleet):
+    """The window starts in the session's cwd; the check ran `python -m` there, and a
+    project's `select.py` stood in for Python's: it crashed, and the session never came
+    back."""
+    (session,) = fleet.dead_sessions(count=1)
+    (fleet.work / "select.py").write_text("raise SystemExit('a project module named select')\n")
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "started", report
+    assert started(fleet) == {session: 1}
+
+
+def test_a_relative_socket_reaches_the_daemon_from_the_window(fleet: Fleet):
+    """`towerctl --socket NAME` run from the socket's dir: the window (in the session's
+    cwd) looked for NAME there, found no daemon, and did not start the agent."""
+    (session,) = fleet.dead_sessions(count=1)
+    socket_path = fleet.daemon.socket_path
+    done = subprocess.run(
+        [TOWERCTL, "--json", "--socket", socket_path.name, "fleet", "restore",
+         "--tmux-socket", fleet.tmux_socket, "--session", session, "--timeout", "20"],
+        env=fleet.env, cwd=socket_path.parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done
+    assert started(fleet) == {session: 1}
+
+
+def test_a_live_run_whose_claim_turned_unknown_goes_on_with_its_plan(fleet: Fleet, tmp_path: Path):
+    """The live run's claim turned outcome_unknown (an operator's mark-unknown; on
+    PostgreSQL, its box declared dead) before its window's check ran: the window settled
+    it completed and started the agent, and the run's own complete was refused
+    `conflict`: the run crashed, the rest of its plan never started. It now finds the
+    launch completed under its own claim and goes on."""
+    parent, child = fleet.dead_sessions(count=2)
+    slow_window_shell(fleet, tmp_path, 2)
+    run = fleet.restore()
+    from towerd.client import IdempotencyKeyUnknown
+    from towerd.client.restore import OPERATION, boot_id
+
+    key = f"{boot_id()}:{parent}"
+    with fleet.daemon.client() as client:
+
+        def claimed() -> bool:
+            try:
+                return client.idem_get(OPERATION, key)["state"] == "in_progress"
+            except IdempotencyKeyUnknown:
+                return False
+
+        wait_for(claimed, timeout=20, what="the run's claim")
+        client.idem_mark_unknown(OPERATION, key)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, (out, err)
+    results = {entry["session_id"]: entry["result"] for entry in json.loads(out)["sessions"]}
+    assert results == {parent: "started", child: "started"}, out
+    assert started(fleet) == {parent: 1, child: 1}
