@@ -65,6 +65,7 @@ def examine(
             )
         )
         findings += _health_findings(status)
+        findings += _fleet_clock_findings(status.get("store"))
         if unreachable is not None:
             findings.append(
                 Finding(
@@ -168,6 +169,24 @@ def _unreachable_store(store: Any) -> str | None:
     if not store or store.get("reachable", True):
         return None
     return str(store.get("error") or "no answer")
+
+
+def _fleet_clock_findings(store: Any) -> list[Finding]:
+    """PostgreSQL: the server's clock went back below the fleet's (it stands still)."""
+    behind = (store or {}).get("clock_behind_ms") or 0  # the daemon reports over 1 s
+    if not behind:
+        return []
+    return [
+        Finding(
+            "fleet clock",
+            "warning",
+            f"the PostgreSQL server's clock is {behind / 1000:.0f} s below the fleet's (it "
+            "went back): the fleet's clock stands still, nothing expires and no box is "
+            "declared dead until the server's catches up",
+            "fix the server's time source; if it had been set far ahead by mistake, see "
+            "docs/reliability.md (the fleet's clock) for moving on sooner",
+        )
+    ]
 
 
 def _health_findings(status: StatusResult) -> list[Finding]:

@@ -46,6 +46,8 @@ def age(millis: Any, now_ms: int) -> str:
     """How long ago ``millis`` was, as ``3s ago`` (``-`` for none recorded: 0 or null)."""
     if not isinstance(millis, int) or millis <= 0:
         return "-"
+    if millis > now_ms + 1000:  # another box's clock, or the server's set ahead once
+        return f"in {(millis - now_ms) // 1000}s"
     seconds = max(0, now_ms - millis) // 1000
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:

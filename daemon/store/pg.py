@@ -52,7 +52,12 @@ _SERVER_NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 # another box since as expired and granted it again: a hostile tester's reproducer.)
 FLEET_CLOCK_KEY = "fleet_clock_ms"
 FLEET_CLOCK_EVERY_MS = 200  # a batch records its reading when the record is this old
-_RECORDED_MS = f"(SELECT value::bigint FROM meta WHERE key = '{FLEET_CLOCK_KEY}')"
+# A value that is not a reading (edited by hand) counts as none: the next batch records
+# the server's (a cast error failed every write, heartbeats included).
+_RECORDED_MS = (
+    f"(SELECT CASE WHEN value ~ '^[0-9]{{1,18}}$' THEN value::bigint END FROM meta "
+    f"WHERE key = '{FLEET_CLOCK_KEY}')"
+)
 _FLEET_NOW_MS = f"GREATEST({_SERVER_NOW_MS}, COALESCE({_RECORDED_MS}, 0))"
 # One simple-protocol message, one round trip: the statements run in order, and in READ
 # COMMITTED each takes its snapshot when it starts, so the clock is read, and every later

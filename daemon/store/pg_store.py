@@ -231,7 +231,7 @@ class PgStore(Store):
                  reconciliation: ReconcileReport, dsn: str) -> None:  # fmt: skip
         self.dsn = dsn
         self._last_now = identity.now
-        self._server_ahead_ms = identity.now - now_ms()  # the fleet's clock minus towerd's
+        self._server_ahead_ms = identity.now - now_ms()  # the server's clock minus towerd's
         self.sightings = presence.Sightings()  # other boxes' presence, on our own clock
         self.clock_standing_still = False  # the server's clock is below the fleet's
         self.reachable = True  # the last transaction reached the server
@@ -368,7 +368,7 @@ class PgStore(Store):
         # The fleet's clock as the server gave it (daemon/store/pg.py), not held at this
         # box's own highest: every box must read a deadline with the same clock.
         now = self._last_now = conn.server_now
-        self._server_ahead_ms = now - now_ms()
+        self._server_ahead_ms = now - conn.server_behind_ms - now_ms()
         self._note_standing_still(conn.server_behind_ms)
         return now
 
@@ -376,6 +376,7 @@ class PgStore(Store):
         """Say when the fleet's clock stands still because the server's stepped back
         (nothing expires and no box is declared dead meanwhile), and when it moves on."""
         standing = behind_ms > STANDING_STILL_MS
+        self.clock_behind_ms = behind_ms if standing else 0  # what status reports
         if standing and not self.clock_standing_still:
             log.warning(
                 "fleet_clock_standing_still", code="unavailable", behind_ms=behind_ms,
@@ -388,10 +389,13 @@ class PgStore(Store):
 
     def _read_clock(self) -> int:
         """A read's clock is the fleet's too (what is due or expired is decided on it,
-        issue 16), without a round trip: towerd's clock plus how far the fleet's was
+        issue 16), without a round trip: towerd's clock plus how far the server's was
         ahead at the last batch (the presence heartbeat makes one every few seconds),
-        so a read after a write sees its deadlines as the write set them."""
-        return now_ms() + self._server_ahead_ms
+        never below that batch's reading: a read after a write sees its deadlines as the
+        write set them, and while the fleet's clock stands still (the server's went
+        back) reads stand still with it (following towerd's clock from the last batch,
+        they showed a lease every write still refused as expired)."""
+        return max(now_ms() + self._server_ahead_ms, self._last_now)
 
     def _broken(self, conn: Any) -> bool:
         return bool(conn.broken)

@@ -79,9 +79,18 @@ class Sightings:
 def beat(tx: Tx, sightings: Sightings) -> BeatReport:
     """A store function (a write): this box is present now; every other box silent for
     the presence TTL is declared dead and its rows settled, in this transaction, and the
-    declaration goes out with the batch's change notes (logged once committed)."""
+    declaration goes out with the batch's change notes (logged once committed).
+
+    The presence changes at every beat, also while the fleet's clock stands still (the
+    server's went back: daemon/store/pg.py): a millisecond on when the clock has not
+    moved. Written as the clock read, every beat of a freeze wrote one value, every box
+    looked unchanged for the TTL, and when the server's clock was put right the first
+    box to beat declared the others dead and their live holders' leases were granted
+    again (a hostile tester's reproducer)."""
     tx.conn.execute(
-        "UPDATE daemons SET presence_at = ? WHERE daemon_id = ?", (tx.now, tx.daemon_id)
+        """UPDATE daemons SET presence_at = CASE WHEN presence_at < ? THEN ?
+               ELSE presence_at + 1 END WHERE daemon_id = ?""",
+        (tx.now, tx.now, tx.daemon_id),
     )
     presence = tx.conn.execute(
         """SELECT daemon_id, presence_at FROM daemons

@@ -135,6 +135,7 @@ class Store:
     one_box = True  # every holder runs on this machine (see tx.own_box)
     reachable = True  # the database answered its last transaction (a file always does)
     store_error: str | None = None
+    clock_behind_ms = 0  # the clock's source below the fleet's (PostgreSQL's server went back)
 
     def __init__(
         self,

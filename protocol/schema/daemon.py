@@ -58,6 +58,9 @@ class StoreState(Struct):
     outbox_queued: int = 0
     outbox_dropped: int = 0
     outbox_forwarded: int = 0
+    # PostgreSQL: how far the server's clock is below the fleet's when over a second (it
+    # went back; nothing expires and no box is declared dead until it catches up); else 0
+    clock_behind_ms: int = 0
 
 
 class KeyCounts(Struct):

@@ -27,3 +27,13 @@ def test_one_box_is_grouped_by_repository_alone() -> None:
     snapshot = {"fleet": {"sessions": [row("s1", "/src/app", "a"), row("s2", "/src/lib", "a")],
                           "activity": []}}  # fmt: skip
     assert [place for place, _ in fleet_groups(snapshot)] == ["/src/app", "/src/lib"]
+
+
+def test_a_presence_in_the_future_is_shown_as_such() -> None:
+    """`towerctl boxes`: a presence ahead of this box's clock (written while the server's
+    clock was set ahead) read "0s ago", as if the box had just been seen."""
+    from towerd.client.cli.ops import age
+
+    assert age(1_000_000, 1_003_500) == "3s ago"
+    assert age(1_262_000, 1_000_000) == "in 262s"
+    assert age(0, 1_000_000) == "-"

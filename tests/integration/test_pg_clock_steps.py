@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,7 +28,7 @@ import pytest
 
 from pg_cluster import PgCluster, postgres_available, require_postgres
 from towerd.client import LeaseHeld
-from towerd_testing import Daemon, wait_for
+from towerd_testing import TOWERCTL, Daemon, wait_for
 
 FAKETIME = next(iter(sorted(Path("/usr/lib").glob("*/faketime/libfaketimeMT.so.1"))), Path("-"))
 pytestmark = pytest.mark.skipif(
@@ -159,3 +161,79 @@ def test_a_step_forward_longer_than_the_presence_ttl_declares_no_live_box_dead(
         with pytest.raises(LeaseHeld):
             on_a.lease_acquire("deploy/prod", ttl_ms=600_000)
         on_b.lease_renew("deploy/prod", granted["fencing_token"], ttl_ms=600_000)
+
+
+def test_a_freeze_longer_than_the_presence_ttl_then_put_right_declares_no_live_box_dead(
+    make_daemon: Callable[..., Daemon], stepped: tuple[PgCluster, ServerClock]
+) -> None:
+    """The server's clock goes back 30 s and is put right after more than a presence
+    TTL. While it stands still the fleet's clock does too: every heartbeat wrote the same
+    presence, every box looked unchanged for the TTL, and at the correction the first
+    box to beat declared the others dead and granted their live holders' leases again,
+    for boxes that ran before the step and for one started during it (a hostile
+    tester's reproducers). Reads stand still with the writes (they showed a held lease
+    expired), and status and doctor say the clock stands still."""
+    cluster, clock = stepped
+    dsn = cluster.new_database(migrated=True)
+    a = box(make_daemon, "a", dsn, QUICK_PRESENCE).start()
+    b = box(make_daemon, "b", dsn, QUICK_PRESENCE).start()
+    before = server_ms(dsn)
+    clock.set(-30)
+    wait_for(lambda: server_ms(dsn) < before - 25_000, timeout=10, what="the step back")
+    c = box(make_daemon, "c", dsn, QUICK_PRESENCE).start()  # started during the freeze
+    with a.client() as on_a, b.client() as on_b, c.client() as on_c:
+        held = {
+            "deploy/b": (on_b, on_b.lease_acquire("deploy/b", ttl_ms=600_000)),
+            "deploy/c": (on_c, on_c.lease_acquire("deploy/c", ttl_ms=600_000)),
+        }
+        on_b.lease_acquire("deploy/short", ttl_ms=5_000)
+        frozen_at = time.monotonic()
+        # The fault lasts longer than the TTL on every box's own clock: not a wait for
+        # the daemons, the length of the freeze under test. Reads meanwhile see the
+        # 5 s lease live, as every write does.
+        while time.monotonic() < frozen_at + TTL_S + 2:
+            assert on_a.lease_get("deploy/short")["live"] is True
+        assert on_a.status()["store"]["clock_behind_ms"] > 20_000
+        doctor = subprocess.run([TOWERCTL, "--socket", str(a.socket_path), "doctor"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert "below the fleet's" in doctor.stdout, doctor.stdout
+        clock.set(0)
+        wait_for(lambda: server_ms(dsn) > before, timeout=10, what="the clock put right")
+        corrected_at = server_ms(dsn)
+
+        def every_box_beat_a_ttl_after() -> bool:
+            boxes = on_a.boxes_list()["boxes"]
+            return all(e["presence_at"] > corrected_at + (TTL_S + 1) * 1000 for e in boxes)
+
+        wait_for(every_box_beat_a_ttl_after, timeout=30, what="heartbeats past a TTL")
+        boxes = on_a.boxes_list()["boxes"]
+        assert [(e["state"], e["dead_at"]) for e in boxes] == [("present", None)] * 3, boxes
+        for daemon in (a, b, c):
+            assert "box_declared_dead" not in daemon.log() and "box_revived" not in daemon.log()
+        for resource, (holder, granted) in held.items():
+            with pytest.raises(LeaseHeld):
+                on_a.lease_acquire(resource, ttl_ms=600_000)
+            holder.lease_renew(resource, granted["fencing_token"], ttl_ms=600_000)
+
+
+def test_reads_stand_still_with_the_fleet_s_clock(
+    make_daemon: Callable[..., Daemon], stepped: tuple[PgCluster, ServerClock]
+) -> None:
+    """While the fleet's clock stands still, a read between two batches followed towerd's
+    own clock from the last one and showed a lease every write still refused as expired
+    (a hostile tester's reproducer; heartbeats 20 s apart leave that long between
+    batches)."""
+    cluster, clock = stepped
+    dsn = cluster.new_database(migrated=True)
+    a = box(make_daemon, "a", dsn, ["--presence-interval", "20", "--presence-ttl", "60"])
+    a.start()
+    before = server_ms(dsn)
+    clock.set(-120)
+    wait_for(lambda: server_ms(dsn) < before - 100_000, timeout=10, what="the step back")
+    with a.client() as client:
+        client.lease_acquire("deploy/short", ttl_ms=5_000)  # a batch on the frozen clock
+        granted_at = time.monotonic()
+        seen = []
+        while time.monotonic() < granted_at + 7:  # past the lease's TTL in real time
+            seen.append(client.lease_get("deploy/short")["live"])
+        assert all(seen), f"{seen.count(False)} of {len(seen)} reads said expired"

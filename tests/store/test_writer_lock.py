@@ -187,6 +187,30 @@ async def test_a_batch_reads_the_fleet_clock_never_below_another_box_s_recorded_
         assert await store.write(now_of) == ahead
 
 
+async def test_a_fleet_clock_record_edited_into_nonsense_is_read_as_none(short_tmp: Path) -> None:
+    """PostgreSQL: a ``fleet_clock_ms`` that is not a reading (edited by hand) failed
+    every write with an untyped cast error, heartbeats included, while doctor said all
+    was well (a hostile tester's finding); it now counts as none and is written over."""
+    if backend() != "postgresql":
+        pytest.skip("the embedded store's clock is towerd's own, not a server's")
+    import psycopg
+
+    from towerd.daemon.store.pg import FLEET_CLOCK_KEY
+
+    def now_of(tx: Tx) -> int:
+        return tx.now
+
+    async with opened(short_tmp) as store:
+        first = await store.write(now_of)
+        with psycopg.connect(store_dsn(short_tmp), autocommit=True) as other:
+            other.execute("UPDATE meta SET value = 'oops' WHERE key = %s", (FLEET_CLOCK_KEY,))
+            assert await store.write(now_of) >= first
+            (value,) = other.execute(
+                "SELECT value FROM meta WHERE key = %s", (FLEET_CLOCK_KEY,)
+            ).fetchone()
+        assert value.isdigit() and int(value) >= first
+
+
 @pytest.mark.sqlite_only
 async def test_a_write_lock_held_past_the_busy_timeout_refuses_the_batch_and_keeps_serving(
     short_tmp: Path,
