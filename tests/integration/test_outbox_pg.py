@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from towerd.client import Unavailable
 from towerd.daemon.outbox import OUTBOX_FILE, Outbox
 from towerd.protocol.methods import HookEventParams
 from towerd_testing import Daemon, wait_for
@@ -64,8 +65,9 @@ def run_through_a_store_outage(daemon: Daemon, cluster: object) -> None:
         assert status["store"]["reachable"] is False
         assert status["store"]["outbox_queued"] == 3
         assert (daemon.state_dir / OUTBOX_FILE).exists()
-        doctor = client.doctor()
-        assert "unreachable" in doctor["integrity"][0]
+        with pytest.raises(Unavailable) as refused:  # typed, as every call needing it
+            client.doctor()
+        assert (refused.value.data or {}).get("reason") == "store_unreachable"
 
         cluster.restart()  # type: ignore[attr-defined]
         wait_for(
