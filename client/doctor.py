@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from towerd.client.sync import Client
-from towerd.protocol.errors import TowerdError, Unavailable
+from towerd.protocol.errors import StorageFull, TowerdError, Unavailable, store_unreachable
 from towerd.protocol.paths import default_socket_path, default_state_dir
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def examine(
                     report = client.doctor(full=full)
                     last_seen = _last_seen(client)
                 except Unavailable as exc:
-                    if (exc.data or {}).get("reason") != "store_unreachable":
+                    if not store_unreachable(exc):
                         raise
                     unreachable = exc.message
         findings.append(
@@ -196,7 +196,7 @@ def _health_findings(status: StatusResult) -> list[Finding]:
     for task in failing:
         fix = (
             "free space on the disk holding the state dir; the task retries by itself"
-            if task["last_error_code"] == "storage_full"
+            if task["last_error_code"] == StorageFull.code
             else "see the daemon's log (`upkeep_failed`); the task retries by itself"
         )
         findings.append(

@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 
+from towerd.protocol import fields
 from towerd.protocol.fields import attention
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: the CLI avoids importing typing
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 NEEDS_YOU = "needs_you"
-HEARTBEAT = "heartbeat"
+HEARTBEAT = fields.HEARTBEAT_KIND
 NOTIFICATION = "Notification"
 TOPICS = ("events", "fleet")
 CLIENT_NAME = "towerctl-notify"

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from towerd.client import Client
+from towerd.protocol import fields
 from towerd.protocol.errors import Conflict, IdempotencyKeyUnknown, TowerdError
 
 OPERATION = "fleet.restore"  # the idempotency operation of every launch (client/restore.py)
@@ -41,7 +42,7 @@ GUARD_ENV = "TOWERD_RESTORE_GUARD"  # in a window's environment until its agent 
 RUN_MARK = "window_id"  # in the result of a launch its run completed (client/restore.py)
 SETTLED_BY_WINDOW = {"settled": "window"}  # the result of a launch a window settled
 REFUSED = 3  # exit status of a window that did not start its agent
-CALL_TIMEOUT_S = 10.0  # each call to the daemon
+CALL_TIMEOUT_S = fields.CALL_TIMEOUT_S  # each call to the daemon
 LOST_ANSWER_S = 5.0  # how long a lost answer to this window's own resolve is looked for
 
 

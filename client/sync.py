@@ -22,7 +22,14 @@ import time
 
 from towerd.client.api import TowerdAPI
 from towerd.client.trust import check_peer, check_socket_dir
-from towerd.protocol import DEFAULT_MAX_FRAME, PROTOCOL_VERSION, RESPONSE_SLACK, FrameDecoder, lite
+from towerd.protocol import (
+    DEFAULT_MAX_FRAME,
+    PROTOCOL_VERSION,
+    RESPONSE_SLACK,
+    FrameDecoder,
+    fields,
+    lite,
+)
 from towerd.protocol.errors import TowerdError, Unavailable
 from towerd.protocol.framing import FRAME_ERROR_ID
 from towerd.protocol.paths import default_socket_path
@@ -35,7 +42,7 @@ if TYPE_CHECKING:
     from towerd.client.effect import EffectContext
     from towerd.client.results import IdemRecord, SessionRow
 
-DEFAULT_TIMEOUT = 10.0
+DEFAULT_TIMEOUT = fields.CALL_TIMEOUT_S
 # The largest response frame a client accepts, whatever hello.max_frame announces
 # (docs/protocol.md §2 Limits): a peer cannot make a client buffer more than this.
 MAX_RESPONSE_FRAME = 64 * 1024 * 1024

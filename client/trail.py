@@ -21,6 +21,7 @@ import time
 from towerd.client.cli.output import printable, say
 from towerd.client.cli.registry import call_timeout
 from towerd.client.sync import Client
+from towerd.protocol import fields
 from towerd.protocol.errors import TooSlow, TowerdError, Unavailable
 
 TYPE_CHECKING = False
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 CONTEXT = 10  # events shown before tailing
 CATCH_UP = 200  # events fetched after a renewed watch (the daemon's largest page)
-HEARTBEAT = "heartbeat"
+HEARTBEAT = fields.HEARTBEAT_KIND
 SUMMARY_WIDTH = 60
 EXIT_OK, EXIT_ERROR, EXIT_UNAVAILABLE = 0, 1, 3
 

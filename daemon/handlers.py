@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from towerd.daemon.clock import StepDetector
-from towerd.daemon.outbox import Outbox, store_unreachable
+from towerd.daemon.outbox import Outbox
 from towerd.daemon.processes import LivenessUnknown, ancestors, holder_of, may_hold_for
 from towerd.daemon.read_cache import ReadCache
 from towerd.daemon.store import (
@@ -54,7 +54,7 @@ from towerd.daemon.store.tx import Caller, Tx, current_clock, now_ms
 from towerd.protocol import PROTOCOL_VERSION, SERVER_NAME, VERSION
 from towerd.protocol import methods as m
 from towerd.protocol.envelope import encode_data
-from towerd.protocol.errors import BadArgs, Conflict, Unavailable
+from towerd.protocol.errors import BadArgs, Conflict, Unavailable, store_unreachable
 
 if TYPE_CHECKING:
     from towerd.daemon.maintenance import Upkeep

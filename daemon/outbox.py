@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from towerd.protocol.errors import TowerdError, Unavailable
+from towerd.protocol.errors import TowerdError, store_unreachable
 from towerd.protocol.methods import HookEventParams
 
 log = structlog.get_logger("towerd.outbox")
@@ -42,11 +42,6 @@ class QueuedEvent(msgspec.Struct, array_like=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(QueuedEvent)
-
-
-def store_unreachable(exc: BaseException) -> bool:
-    """Whether ``exc`` says the store could not be reached (worth queueing for)."""
-    return isinstance(exc, Unavailable) and (exc.data or {}).get("reason") == "store_unreachable"
 
 
 class Outbox:

@@ -13,10 +13,23 @@ if TYPE_CHECKING:  # no runtime import: hooks pay for every module they load
     from typing import Any
 
 
+_CLASSES: dict[str, type[TowerdError]] = {}  # wire code -> its class (this module's)
+
+
 class TowerdError(Exception):
-    """An error with a wire code. ``data`` carries machine-readable details."""
+    """An error with a wire code. ``data`` carries machine-readable details.
+
+    Each class of this module that declares a ``code`` is that code's class (it
+    registers itself): a list of them kept by hand let a new one reach clients as
+    ``Internal``."""
 
     code = "internal"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == __name__ and "code" in cls.__dict__:
+            assert cls.code not in _CLASSES, f"two classes for code {cls.code!r}"
+            _CLASSES[cls.code] = cls
 
     def __init__(self, message: str, data: dict[str, Any] | None = None) -> None:
         super().__init__(message)
@@ -127,6 +140,16 @@ class Unavailable(TowerdError):
     code = "unavailable"
 
 
+# ``Unavailable``'s data reason when the daemon's store (PostgreSQL) did not answer: the
+# call may or may not have been applied, and is retried with the same key.
+STORE_UNREACHABLE = "store_unreachable"
+
+
+def store_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the daemon's store could not be reached."""
+    return isinstance(exc, Unavailable) and (exc.data or {}).get("reason") == STORE_UNREACHABLE
+
+
 class Internal(TowerdError):
     """A bug on the other side; the message says what, the log says more."""
 
@@ -228,45 +251,6 @@ class TooSlow(TowerdError):
 
     code = "too_slow"
 
-
-_CLASSES: dict[str, type[TowerdError]] = {
-    cls.code: cls
-    for cls in (
-        BadFrame,
-        FrameTooLarge,
-        ProtocolMismatch,
-        Unauthorized,
-        UnknownMethod,
-        BadArgs,
-        NotFound,
-        Conflict,
-        StaleEpoch,
-        IdempotencyConflict,
-        IdempotencyInProgress,
-        OutcomeUnknown,
-        IdempotencyKeyUnknown,
-        StorageFull,
-        QuotaExceeded,
-        Unavailable,
-        Internal,
-        LeaseHeld,
-        LeaseSuperseded,
-        LeaseExpired,
-        LeaseNotFound,
-        StaleLease,
-        EffectAlreadyCommitted,
-        EffectInFlight,
-        EffectUncertain,
-        EffectLeaseHeld,
-        EffectLeaseSuperseded,
-        EffectAttemptSuperseded,
-        EffectNotFound,
-        AlreadyActive,
-        AttemptsExhausted,
-        NotBefore,
-        TooSlow,
-    )
-}
 
 ERROR_CODES: frozenset[str] = frozenset(_CLASSES)
 

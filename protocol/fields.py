@@ -26,11 +26,24 @@ SESSION_FIELDS = (
 )
 
 IDEM_STATES = ("in_progress", "completed", "outcome_unknown")
+IDEM_OUTCOMES = ("completed", "abandoned")  # what a person decides for an unknown key
+EFFECT_OUTCOMES = ("committed", "aborted")  # what a person decides for an uncertain effect
+# Idempotency operations whose keys towerd settles from evidence after a crash
+# (daemon/store/reconcile.py): a fleet row registered, a session spawned, a message sent.
+REGISTER_OPERATION = "session.register"
+SPAWN_OPERATION = "session.spawn"
+MESSAGE_OPERATION = "session.message"
+STORE_DEADLINE_S = 5.0  # every call that needs the store answers within this (issue 16)
+# How long a client waits for an answer unless told: above STORE_DEADLINE_S, so that a
+# stalled store's typed answer (unavailable, retry with the same key) arrives first.
+CALL_TIMEOUT_S = 10.0
+HEARTBEAT_KIND = "heartbeat"  # the event kind of a session's liveness beat, not activity
 KV_SCOPES = ("global", "worker", "milestone")
 WORKER_STATUSES = ("active", "stopping", "crashed")
 DISPATCH_STATUSES = ("claimed", "running", "completed", "failed", "stuck", "canceled", "paused")
 AUDIT_CATEGORIES = ("worker", "lease", "dispatch")
-MESSAGE_STATUSES = ("queued", "delivered", "read")
+MESSAGE_STATUSES = ("queued", "delivered", "read")  # in the order a message goes through
+MESSAGE_ACKS = MESSAGE_STATUSES[1:]  # what a reader may mark a message
 ATTENTIONS = ("running", "needs_you", "done", "exited")
 # The attention rule (docs/protocol.md §14): the kinds of a session's newest event that
 # say it needs you, is done or ended; any other kind is running; an exited row exited.

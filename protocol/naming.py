@@ -171,9 +171,19 @@ def other_lease_names(kind: str, target_ref: str) -> list[str]:
     return [name for name in dict.fromkeys(names) if name != resource]
 
 
+EFFECT_KEY_PREFIX = "eff_"  # an effect's key: this, then EFFECT_KEY_DIGITS hex digits
+EFFECT_KEY_DIGITS = 16
+EFFECT_KEY_PATTERN = f"^{EFFECT_KEY_PREFIX}[0-9a-f]{{{EFFECT_KEY_DIGITS}}}$"
+
+
+def is_effect_key(ref: str) -> bool:
+    """Whether ``ref`` is an effect's key (an idempotency key fronting an effect)."""
+    return ref.startswith(EFFECT_KEY_PREFIX)
+
+
 def effect_key(run_id: str, step_id: str, action_kind: str, target_ref: str) -> str:
     """The effect's idempotency key: ``eff_`` and the first 16 hex digits of the SHA-256
     of ``run:step:kind:target`` (UTF-8), the same key the reference ledger stores."""
     _check_kind(action_kind)
     raw = f"{run_id}:{step_id}:{action_kind}:{target_ref}"
-    return "eff_" + hashlib.sha256(raw.encode("utf-8")).hexdigest()[:16]
+    return EFFECT_KEY_PREFIX + hashlib.sha256(raw.encode("utf-8")).hexdigest()[:EFFECT_KEY_DIGITS]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from towerd.client.cli.output import EXIT_EPILOG, UsageError, json_arg, table
 from towerd.client.cli.registry import REPO, Commands, arg
 from towerd.client.cli.seconds import Seconds
+from towerd.protocol import fields
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ def cmd_effects_list(client: Client, args: argparse.Namespace) -> Any:
         arg(
             "--outcome",
             default=None,
-            choices=["committed", "aborted"],
+            choices=fields.EFFECT_OUTCOMES,
             help="(required) committed: it happened (give --receipt); aborted: it did not, "
             "a new attempt runs it afresh",
         ),

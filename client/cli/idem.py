@@ -7,6 +7,7 @@ import os
 
 from towerd.client.cli.output import json_arg, table, with_cursor
 from towerd.client.cli.registry import Commands, arg
+from towerd.protocol import fields
 from towerd.protocol.fields import IDEM_STATES
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
@@ -105,7 +106,7 @@ def cmd_idem_get(client: Client, args: argparse.Namespace) -> Any:
         arg(
             "--outcome",
             required=True,
-            choices=["completed", "abandoned"],
+            choices=fields.IDEM_OUTCOMES,
             help="completed: it happened (give --result); abandoned: it did not, "
             "a retry runs it afresh",
         ),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from towerd.client.cli.output import render
 from towerd.client.cli.seconds import Seconds
+from towerd.protocol import fields
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def add_global_options(parser: argparse.ArgumentParser, *, defaults: bool) -> No
     )
 
 
-DEFAULT_TIMEOUT = 10.0  # seconds towerctl waits for an answer when --timeout is not given
+DEFAULT_TIMEOUT = fields.CALL_TIMEOUT_S  # seconds towerctl waits when --timeout is not given
 
 
 def call_timeout(args: argparse.Namespace) -> float:

@@ -12,6 +12,7 @@ from towerd.client.agents import DEFAULT_GUARD
 from towerd.client.cli.output import table
 from towerd.client.cli.registry import Commands, arg
 from towerd.client.cli.seconds import Seconds
+from towerd.protocol import fields
 from towerd.protocol.fields import AGENTS, GUARD_POLICIES, MESSAGE_STATUSES
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs hooks ~3 ms
@@ -180,7 +181,7 @@ def cmd_message_list(client: Client, args: argparse.Namespace) -> Any:
     help="mark a message delivered or read",
     options=[
         arg("message_id"),
-        arg("--status", choices=["delivered", "read"], default="read"),
+        arg("--status", choices=fields.MESSAGE_ACKS, default="read"),
     ],
 )
 def cmd_message_ack(client: Client, args: argparse.Namespace) -> Any:

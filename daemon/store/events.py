@@ -15,6 +15,7 @@ from typing import Any
 
 from towerd.daemon.store import fleet, quota
 from towerd.daemon.store.tx import Caller, Tx, fitted, note, pack, take_page, unpack, where
+from towerd.protocol import fields
 from towerd.protocol.errors import BadArgs
 from towerd.protocol.fields import attention
 from towerd.protocol.methods import (
@@ -31,7 +32,7 @@ from towerd.protocol.methods import (
     TrailEvent,
 )
 
-HEARTBEAT = "heartbeat"
+HEARTBEAT = fields.HEARTBEAT_KIND
 # Hook events that end a session, or start it again, in its fleet row too.
 _EXITED_BY_KIND = {"SessionEnd": True, "SessionStart": False}
 

@@ -20,6 +20,7 @@ from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.reconcile import settle
 from towerd.daemon.store.relink import relink
 from towerd.daemon.store.tx import Caller, Tx, note, own_box, take_page, where
+from towerd.protocol import fields
 from towerd.protocol.changes import FleetAdopted, FleetRemoved, FleetUpserted, IdemChanged
 from towerd.protocol.errors import BadArgs, Conflict, NotFound, StaleEpoch
 from towerd.protocol.methods import (
@@ -690,7 +691,7 @@ def adopt_fleet(tx: Tx, caller: Caller, params: FleetAdoptParams) -> FleetAdoptR
     )
 
 
-REGISTER_OPERATION = "session.register"
+REGISTER_OPERATION = fields.REGISTER_OPERATION
 
 
 def register_session(

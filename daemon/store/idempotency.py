@@ -30,6 +30,7 @@ from towerd.daemon.store.tx import (
     unpack,
     where,
 )
+from towerd.protocol import fields
 from towerd.protocol.changes import IdemChanged, IdemExpired, idem_changed
 from towerd.protocol.errors import (
     Conflict,
@@ -55,9 +56,7 @@ from towerd.protocol.methods import (
     ProbeOutcome,
 )
 
-IN_PROGRESS = "in_progress"
-COMPLETED = "completed"
-OUTCOME_UNKNOWN = "outcome_unknown"
+IN_PROGRESS, COMPLETED, OUTCOME_UNKNOWN = fields.IDEM_STATES
 
 
 def payload_hash(payload: Any) -> bytes:

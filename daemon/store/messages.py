@@ -19,6 +19,7 @@ from towerd.daemon.store import fleet, quota
 from towerd.daemon.store.idempotency import once_under_key
 from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.tx import Caller, Tx, fitted
+from towerd.protocol import fields
 from towerd.protocol.errors import Conflict, NotFound
 from towerd.protocol.methods import (
     MessageAckParams,
@@ -29,8 +30,8 @@ from towerd.protocol.methods import (
     SessionMessageResult,
 )
 
-MESSAGE_OPERATION = "session.message"
-_ORDER = {"queued": 0, "delivered": 1, "read": 2}
+MESSAGE_OPERATION = fields.MESSAGE_OPERATION
+_ORDER = {status: rank for rank, status in enumerate(fields.MESSAGE_STATUSES)}
 _COLUMNS = "message_id, session_id, agent_session_id, text, status, created_at, updated_at"
 
 

@@ -38,8 +38,10 @@ import psycopg
 from psycopg import pq
 from psycopg.adapt import PyFormat, Transformer
 
+from towerd.protocol import fields
+
 WRITE_LOCK = 0x746F_7764_0057  # "towd" "W": the one advisory lock every box's writer takes
-CONNECT_TIMEOUT_S = 5  # every call that needs the store answers within this (issue 16)
+CONNECT_TIMEOUT_S = int(fields.STORE_DEADLINE_S)  # libpq takes whole seconds
 
 # floor, not the cast's rounding: a millisecond is the one that has begun, as in now_ms
 _SERVER_NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"

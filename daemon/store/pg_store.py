@@ -52,7 +52,9 @@ from towerd.daemon.store.tx import (
     translate_pg_error,
     use_clock,
 )
-from towerd.protocol.errors import Unavailable
+from towerd.protocol import fields
+from towerd.protocol.errors import STORE_UNREACHABLE as REASON_STORE_UNREACHABLE
+from towerd.protocol.errors import Unavailable, store_unreachable
 from towerd.protocol.methods import DoctorResult, ReconcileReport
 
 T = TypeVar("T")
@@ -197,7 +199,7 @@ class _Call:
             self.future.set_result(result)
 
 
-CALL_DEADLINE_S = 5.0  # issue 16: "every call that needs the store answers within 5 s"
+CALL_DEADLINE_S = fields.STORE_DEADLINE_S
 STUCK_AFTER_S = 2 * CALL_DEADLINE_S  # a call still on its connection then is cut off
 STANDING_STILL_MS = 1000  # the server's clock this far below the fleet's is a step back
 INLINE_BOUND_S = 2  # a read on the event loop's own connection (read_now) is cut off then
@@ -205,7 +207,7 @@ INLINE_BOUND_S = 2  # a read on the event loop's own connection (read_now) is cu
 
 def _unreachable(why: str) -> Unavailable:
     return Unavailable(STORE_UNREACHABLE.format(why=f" ({why})"),
-                       {"reason": "store_unreachable", "retry": "same_key"})  # fmt: skip
+                       {"reason": REASON_STORE_UNREACHABLE, "retry": "same_key"})  # fmt: skip
 
 
 class _NoFiles:
@@ -314,7 +316,7 @@ class PgStore(Store):
             self.reachable, self.store_error = True, None
             return
         translated = translate_pg_error(error)
-        if translated is not None and (translated.data or {}).get("reason") == "store_unreachable":
+        if translated is not None and store_unreachable(translated):
             self.reachable, self.store_error = False, str(error).strip() or type(error).__name__
 
     def _uncommitted(self, exc: BaseException) -> BaseException:
@@ -346,7 +348,7 @@ class PgStore(Store):
             try:
                 result = await super().read(fn, *args)
             except Unavailable as exc:
-                if (exc.data or {}).get("reason") == "store_unreachable":
+                if store_unreachable(exc):
                     self.reachable, self.store_error = False, str(exc)
                 raise
             self._mark(None)

@@ -31,8 +31,10 @@ from towerd.daemon.store.idempotency import (
 )
 from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.tx import Tx, note, own_box, pack
+from towerd.protocol import fields
 from towerd.protocol.changes import IdemChanged
 from towerd.protocol.methods import ReconcileReport
+from towerd.protocol.naming import is_effect_key
 
 EvidenceProbe = Callable[[Tx, str], "dict[str, Any] | None"]
 
@@ -113,9 +115,9 @@ class _AgentProcesses:
 
 
 EVIDENCE_PROBES: dict[str, EvidenceProbe] = {
-    "session.spawn": _fleet_row_evidence("agent_session_id", "target", "target_identity"),
-    "session.register": _fleet_row_evidence(),
-    "session.message": _message_evidence,
+    fields.SPAWN_OPERATION: _fleet_row_evidence("agent_session_id", "target", "target_identity"),
+    fields.REGISTER_OPERATION: _fleet_row_evidence(),
+    fields.MESSAGE_OPERATION: _message_evidence,
 }
 
 
@@ -232,13 +234,13 @@ def settle(tx: Tx, keys: list[tuple[int, str, str]]) -> set[int]:
     processes: _AgentProcesses | None = None
     for rowid, operation, effect_ref in keys:
         probe = EVIDENCE_PROBES.get(operation)
-        if probe is None and effect_ref.startswith("eff_"):
+        if probe is None and is_effect_key(effect_ref):
             probe = effects.committed_evidence  # the key fronted an external effect
         result = None if probe is None else probe(tx, effect_ref)
         if (
             result is None
             and not tx.as_dead_box  # that box's processes are not this machine's
-            and operation == "session.spawn"
+            and operation == fields.SPAWN_OPERATION
             and _SESSION_ID.match(effect_ref)
         ):
             # No fleet row yet: a live agent process carrying the session's id is evidence

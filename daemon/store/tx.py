@@ -16,6 +16,7 @@ import msgspec
 from towerd.daemon.clock import DaemonClock
 from towerd.daemon.processes import Holder, RemoteHolder
 from towerd.daemon.store.config import DEFAULT_CONFIG, StoreConfig
+from towerd.protocol.errors import STORE_UNREACHABLE as REASON_STORE_UNREACHABLE
 from towerd.protocol.errors import Conflict, Internal, StorageFull, TowerdError, Unavailable
 from towerd.protocol.framing import DEFAULT_MAX_FRAME
 
@@ -264,6 +265,6 @@ def translate_pg_error(exc: BaseException) -> TowerdError | None:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else name
         return Unavailable(
             STORE_UNREACHABLE.format(why=f" ({detail})"),
-            {"reason": "store_unreachable", "retry": "same_key"},
+            {"reason": REASON_STORE_UNREACHABLE, "retry": "same_key"},
         )
     return None

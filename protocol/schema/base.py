@@ -14,6 +14,9 @@ from towerd.protocol import fields, naming
 
 if TYPE_CHECKING:
     IdemState = str
+    IdemOutcome = str
+    EffectOutcome = str
+    MessageAck = str
     ActionKind = str
     EffectStatus = str
     WorkerStatus = str
@@ -29,6 +32,9 @@ if TYPE_CHECKING:
     BoxState = str
 else:
     IdemState = Literal[fields.IDEM_STATES]
+    IdemOutcome = Literal[fields.IDEM_OUTCOMES]
+    EffectOutcome = Literal[fields.EFFECT_OUTCOMES]
+    MessageAck = Literal[fields.MESSAGE_ACKS]
     ActionKind = Literal[naming.ACTION_KINDS]
     EffectStatus = Literal[fields.EFFECT_STATUSES]
     WorkerStatus = Literal[fields.WORKER_STATUSES]

@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from msgspec import Meta, Struct
 
 from towerd.protocol import fields
+from towerd.protocol.naming import EFFECT_KEY_PATTERN
 from towerd.protocol.schema.base import (
     INT64_MAX,
     ActionKind,
+    EffectOutcome,
     EffectStatus,
     Millis,
     _require_shallow,
@@ -78,7 +80,7 @@ class LeaseListResult(Struct, omit_defaults=True):
 
 # --- the effects ledger -------------------------------------------------------------------
 
-EffectKey = Annotated[str, Meta(pattern="^eff_[0-9a-f]{16}$")]
+EffectKey = Annotated[str, Meta(pattern=EFFECT_KEY_PATTERN)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 AttemptId = Annotated[str, Meta(min_length=1, max_length=128)]
 
@@ -165,7 +167,7 @@ class EffectFailParams(Struct):
 
 class EffectResolveParams(Struct):
     effect_key: EffectKey
-    outcome: Literal["committed", "aborted"]
+    outcome: EffectOutcome
     receipt: Any = None
 
     def __post_init__(self) -> None:

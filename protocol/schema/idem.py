@@ -11,6 +11,7 @@ from towerd.protocol.schema.base import (
     Cursor,
     EffectRef,
     IdemKey,
+    IdemOutcome,
     IdemState,
     Millis,
     Operation,
@@ -100,7 +101,7 @@ class IdemListResult(Struct):
 
 
 class IdemResolveParams(IdemKeyParams):
-    outcome: Literal["completed", "abandoned"]
+    outcome: IdemOutcome
     result: Any = None
     # The unknown claim's effect_ref as read: a key claimed again since (a new claim has
     # a new one) is not resolved, so a decision about one claim never settles another.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
@@ -12,6 +12,7 @@ from towerd.protocol.schema.base import (
     Cursor,
     DaemonId,
     IdemKey,
+    MessageAck,
     MessageStatus,
     Millis,
     SessionId,
@@ -128,7 +129,7 @@ class MessageListResult(Struct, omit_defaults=True):
 
 class MessageAckParams(Struct):
     message_id: Annotated[str, Meta(min_length=1, max_length=64)]
-    status: Literal["delivered", "read"]
+    status: MessageAck
 
 
 WATCH_TOPICS = fields.WATCH_TOPICS

@@ -233,3 +233,28 @@ def test_both_paths_print_and_exit_alike(daemon, tail, tmp_path):
         assert left == right
     else:
         assert b.stdout == ""
+
+
+def test_the_three_spellings_of_the_global_options_agree() -> None:
+    """towerctl's parser declares the global options; the lean parser and the entry's
+    scan name them again, for start-up time. One missing from the entry's list of those
+    taking a value would have its value read as a command word."""
+    import argparse
+
+    from towerd.client.cli.registry import add_global_options
+    from towerd.client.entry import GLOBAL_OPTIONS_WITH_VALUES
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_global_options(parser, defaults=True)
+    declared = {
+        option: action.nargs != 0
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--")
+    }
+    assert set(GLOBALS) == set(declared)
+    assert (
+        {name for name, (_, convert) in GLOBALS.items() if convert}
+        == {name for name, takes_value in declared.items() if takes_value}
+        == set(GLOBAL_OPTIONS_WITH_VALUES)
+    )

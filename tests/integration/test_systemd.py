@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,23 @@ def test_a_towerd_path_with_a_space_is_one_word_of_execstart(short_tmp):
         timeout=60,
     )  # fmt: skip
     assert verify.returncode == 0 and verify.stderr.strip() == "", verify.stderr
+
+
+def test_the_units_name_the_exit_statuses_their_programs_declare():
+    """systemd must not restart what restarting cannot mend: the statuses in each unit's
+    RestartPreventExitStatus are the ones its program declares for that (a unit copied
+    by hand would drift from them and loop)."""
+    from towerd.client.cli.output import EXIT_ERROR, EXIT_USAGE
+    from towerd.daemon.main import EXIT_ALREADY_RUNNING, EXIT_REFUSED
+
+    root = Path(__file__).resolve().parents[2] / "systemd"
+
+    def prevented(unit: str) -> set[int]:
+        (line,) = [
+            line for line in (root / unit).read_text().splitlines()
+            if line.startswith("RestartPreventExitStatus=")
+        ]  # fmt: skip
+        return {int(word) for word in line.partition("=")[2].split()}
+
+    assert prevented("towerd.service") == {EXIT_ALREADY_RUNNING, EXIT_REFUSED}
+    assert prevented("towerd-notify.service") == {EXIT_ERROR, EXIT_USAGE}
