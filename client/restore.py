@@ -83,6 +83,9 @@ class Outcome:
     reason: str = ""
     window: str | None = None
     argv: list[str] = field(default_factory=list)
+    # False: it cannot be resumed at all (registered without an agent session id), and
+    # unless named with --session it does not make the run fail
+    resumable: bool = True
 
 
 @dataclass
@@ -303,6 +306,7 @@ class Restorer:
             return outcome
         if "{agent_session_id}" in " ".join(spec["command"]) and not entry.get("agent_session_id"):
             outcome.reason = "no agent session id to resume"
+            outcome.resumable = False
             return outcome
         try:
             outcome.argv = launch_argv(entry, spec)
@@ -481,7 +485,13 @@ def restore(client: Any, options: Options) -> dict[str, Any]:
     if shutil.which("tmux") is None and not options.dry_run:
         raise RestoreError("tmux is not installed: fleet restore starts agents in tmux windows")
     outcomes = Restorer(client, options).run()
+    named = set(options.sessions or ())
     return {
-        "ok": all(o.result in ("started", "already_live") for o in outcomes if not options.dry_run),
+        "ok": all(
+            o.result in ("started", "already_live")
+            or (not o.resumable and o.session_id not in named)
+            for o in outcomes
+            if not options.dry_run
+        ),
         "sessions": [vars(o) for o in outcomes],
     }

@@ -187,7 +187,9 @@ class Client(TowerdAPI):
                 sock.close()
             raise Unavailable(
                 f"cannot connect to towerd at {self.socket_path}: {exc.strerror or exc}; "
-                "is the daemon running? (start it with `towerd`)",
+                "is the daemon running? (start it: `systemctl --user start towerd.socket` once "
+                "installed with `towerctl install-systemd`, else `setsid towerd >>towerd.log "
+                "2>&1 &` from the venv's bin)",
                 {"socket": str(self.socket_path), "reason": "connect"},
             ) from None
         except TowerdError:

@@ -240,10 +240,19 @@ def _allow_open_files(wanted: int) -> None:
 async def _stop_on_signals(
     stop: StopRequest, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
 ) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    """SIGTERM, SIGINT, and SIGHUP: the terminal a daemon was started from in the
+    background closed (it killed the daemon without a line in its log, and every hook
+    then failed open unseen); it now stops as for SIGTERM and says why."""
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         task_status.started()
         async for signum in signals:
-            stop.request(f"signal {signal.Signals(signum).name}")
+            why = f"signal {signal.Signals(signum).name}"
+            if signum == signal.SIGHUP:
+                why += (
+                    " (the terminal that started towerd closed? start it with setsid, or "
+                    "under systemd: towerctl install-systemd)"
+                )
+            stop.request(why)
 
 
 OUTBOX_EVERY = 1.0  # seconds between looks at the outbox while events wait in it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -166,7 +167,9 @@ def _refuse_unsettled(row: _Row, caller: Holder | None) -> None:
         )
     raise OutcomeUnknown(
         f"the outcome of key {record.key!r} of {record.operation!r} is unknown; its effect "
-        "is never run again under this key: check the effect, then settle it with idem.resolve",
+        "is never run again under this key: check the effect, then settle it with idem.resolve "
+        f"(towerctl idem resolve {shlex.quote(record.operation)} {shlex.quote(record.key)} "
+        "--outcome completed|abandoned)",
         {"effect_ref": record.effect_ref},
     )
 
@@ -462,7 +465,8 @@ def reopen(tx: Tx, caller: Caller, params: IdemReopenParams) -> IdemReopenResult
     record = row.record
     if record.state != COMPLETED:
         advice = (
-            "settle it with idem.resolve (--outcome abandoned runs it again)"
+            "settle it with idem.resolve (towerctl idem resolve OPERATION KEY; --outcome "
+            "abandoned runs it again)"
             if record.state == OUTCOME_UNKNOWN
             else "wait for its claimant to finish"
         )

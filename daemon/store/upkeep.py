@@ -182,7 +182,10 @@ def _refuse_existing_target(final: Path, target: Path, overwrite: bool) -> None:
             "it is not replaced; remove it or choose another name"
         )
     if not overwrite:
-        raise Conflict(f"{target} exists; pass overwrite to replace it", {"path": str(target)})
+        raise Conflict(
+            f"{target} exists; pass overwrite to replace it (towerctl backup --overwrite)",
+            {"path": str(target)},
+        )
 
 
 def _copy_into_place(db_path: Path, copy_path: Path, final: Path, target: Path) -> BackupResult:

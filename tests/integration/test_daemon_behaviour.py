@@ -140,3 +140,16 @@ def test_daemon_serves_on_the_plain_asyncio_loop_too(make_daemon):
         assert client.fleet_get(session)["session_id"] == session
         assert client.call_many([("ping", None)] * 20)[-1]["pong"] is True
     assert daemon.stop() == 0
+
+
+def test_a_hang_up_stops_the_daemon_cleanly_and_says_why(daemon):
+    """SIGHUP (the terminal a daemon was started from in the background closed) killed
+    it without a line in its log, and every hook then failed open unseen: it now stops
+    as for SIGTERM, exit 0, and its log says why and how to keep it running."""
+    import signal
+
+    with daemon.client() as client:
+        assert client.idem_claim("deploy", "before-hup")["state"] == "claimed"
+    daemon.proc.send_signal(signal.SIGHUP)
+    assert daemon.proc.wait(15) == 0
+    assert "SIGHUP (the terminal that started towerd closed?" in daemon.log()

@@ -545,3 +545,20 @@ def test_a_live_run_whose_claim_turned_unknown_goes_on_with_its_plan(fleet: Flee
     results = {entry["session_id"]: entry["result"] for entry in json.loads(out)["sessions"]}
     assert results == {parent: "started", child: "started"}, out
     assert started(fleet) == {parent: 1, child: 1}
+
+
+def test_a_row_that_cannot_be_resumed_fails_the_run_only_when_named(fleet: Fleet):
+    """A row registered by hand without an agent session id (the README's own `session
+    register` example) made every whole-plan restore exit 1 although everything that
+    could be brought back was live; it is reported skipped, not resumable, and fails
+    the run only when named with --session."""
+    (dead,) = fleet.dead_sessions(count=1)
+    with fleet.daemon.client() as client:
+        bare = client.session_register(cwd=str(fleet.work), agent="claude")["session_id"]
+    code, report = fleet.restored()
+    by_id = {entry["session_id"]: entry for entry in report["sessions"]}
+    assert code == 0, report
+    assert by_id[dead]["result"] == "started"
+    assert (by_id[bare]["result"], by_id[bare]["resumable"]) == ("skipped", False)
+    code, report = fleet.restored("--session", bare)
+    assert code == 1, report
