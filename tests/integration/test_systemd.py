@@ -155,3 +155,12 @@ def test_the_units_name_the_exit_statuses_their_programs_declare():
 
     assert prevented("towerd.service") == {EXIT_ALREADY_RUNNING, EXIT_REFUSED}
     assert prevented("towerd-notify.service") == {EXIT_ERROR, EXIT_USAGE}
+
+
+def test_installed_units_keep_their_comments_readable(short_tmp):
+    """The placeholder was named in a comment too, so the installed unit said it
+    "replaces /home/.../towerd with the absolute path"."""
+    for name in UNITS:
+        text = (Path(__file__).resolve().parents[2] / "systemd" / name).read_text()
+        comments = [line for line in text.splitlines() if line.startswith("#")]
+        assert not [line for line in comments if "@" in line], (name, comments)
