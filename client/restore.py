@@ -365,6 +365,11 @@ class Restorer:
             lambda: self.session_started_since(session_id, record["created_at"]),
             self.options.timeout,
         )
+        if not started and processes_with(GUARD_ENV, session_id):
+            # Its window is still checking the claim (a slow shell, a stalled daemon):
+            # completed now, a check that then gave up would leave a launch marked done
+            # that never started (a hostile tester's reproducer). Wait for it to decide.
+            self.wait(lambda: not processes_with(GUARD_ENV, session_id), GUARD_WAIT_S)
         if not started and not pane_alive(self.options, window_id):
             now = self.settle_own(key, ref, None)  # the agent is gone: a retry may launch
             outcome.result = "failed"

@@ -11,26 +11,53 @@ the rows of earlier daemon ids the file may hold); nothing heartbeats there, so 
 
 from __future__ import annotations
 
+from typing import Any
+
 from towerd.daemon.store.tx import Caller, Tx, fitted
 from towerd.protocol.methods import BoxListResult, BoxRecord, Empty
 
 _SELECT_BOXES = """SELECT daemon_id, owner_epoch, host, pid, started_at, presence_at, dead_at
                    FROM daemons ORDER BY started_at, daemon_id"""
+# meta: each box's own presence TTL (ms), under this and its daemon id. A box is judged
+# by its own: judged by the judge's, a box heartbeating every 8 s (TTL 30) was declared
+# dead by one whose TTL was 5, and its live holders' leases were granted again.
+TTL_KEY = "presence_ttl_ms:"
 
 
-def state(tx: Tx, daemon_id: str, presence_at: int, dead_at: int | None) -> str:
-    """``present``, ``lapsed`` or ``dead`` (protocol/fields.py BOX_STATES) at ``tx.now``."""
+def record_ttl(conn: Any, daemon_id: str, ttl_ms: int) -> None:
+    """At a box's start, in its transaction: the presence TTL it heartbeats for."""
+    conn.execute(
+        """INSERT INTO meta (key, value) VALUES (?, ?)
+           ON CONFLICT (key) DO UPDATE SET value = excluded.value""",
+        (TTL_KEY + daemon_id, str(ttl_ms)),
+    )
+
+
+def ttls(tx: Tx) -> dict[str, int]:
+    """Every box's recorded presence TTL (a box from before they were recorded: none)."""
+    rows = tx.conn.execute(
+        "SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?", (len(TTL_KEY), TTL_KEY)
+    ).fetchall()
+    return {key[len(TTL_KEY) :]: int(value) for key, value in rows if value.isdigit()}
+
+
+def state(
+    tx: Tx, daemon_id: str, presence_at: int, dead_at: int | None, ttl_ms: int | None = None
+) -> str:
+    """``present``, ``lapsed`` or ``dead`` (protocol/fields.py BOX_STATES) at ``tx.now``,
+    judged by the box's own presence TTL ``ttl_ms`` (this daemon's if not recorded)."""
     if daemon_id == tx.daemon_id:
         return "present"  # it answers
     if dead_at is not None:
         return "dead"
-    if presence_at + tx.config.presence_ttl_ms > tx.now:
+    if presence_at + (ttl_ms or tx.config.presence_ttl_ms) > tx.now:
         return "present"
     return "lapsed"
 
 
 def list_boxes(tx: Tx, caller: Caller, params: Empty) -> BoxListResult:
     """``boxes.list``: every box, by ``started_at``, cut to fit a frame."""
+    recorded = ttls(tx)
     boxes = [
         BoxRecord(
             daemon_id=daemon_id,
@@ -40,7 +67,7 @@ def list_boxes(tx: Tx, caller: Caller, params: Empty) -> BoxListResult:
             started_at=started_at,
             presence_at=presence_at,
             dead_at=dead_at,
-            state=state(tx, daemon_id, presence_at, dead_at),
+            state=state(tx, daemon_id, presence_at, dead_at, recorded.get(daemon_id)),
             self=daemon_id == tx.daemon_id,
         )
         for daemon_id, owner_epoch, host, pid, started_at, presence_at, dead_at in (

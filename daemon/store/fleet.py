@@ -583,7 +583,7 @@ def _refuse_a_box_not_dead(tx: Tx, daemon_id: str, presence_at: int, dead_at: in
     check; adopted, their liveness would be judged by this box, on the wrong machine."""
     if tx.one_box:
         return
-    box_state = boxes.state(tx, daemon_id, presence_at, dead_at)
+    box_state = boxes.state(tx, daemon_id, presence_at, dead_at, boxes.ttls(tx).get(daemon_id))
     if box_state != "dead":
         raise Conflict(
             f"box {daemon_id} is {box_state}, not dead: only a dead box's fleet is adopted. "

@@ -39,7 +39,7 @@ import structlog
 
 from towerd.daemon.clock import Anchor, DaemonClock, boot_id, boottime_ms
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
-from towerd.daemon.store import identity, pg_changes, pg_schema, presence, upkeep
+from towerd.daemon.store import boxes, identity, pg_changes, pg_schema, presence, upkeep
 from towerd.daemon.store.config import StoreConfig
 from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.pg import PgConnection, connect, redacted
@@ -472,6 +472,7 @@ def _start(
         "UPDATE daemons SET presence_at = ?, dead_at = NULL WHERE daemon_id = ?",
         (conn.server_now, started.daemon_id),
     )
+    boxes.record_ttl(conn, started.daemon_id, config.presence_ttl_ms)
     conn.execute("COMMIT")
     return started, report, clock
 

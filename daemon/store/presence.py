@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import structlog
 
-from towerd.daemon.store import idempotency, leases, liveness, reconcile
+from towerd.daemon.store import boxes, idempotency, leases, liveness, reconcile
 from towerd.daemon.store.tx import Tx, note
 
 log = structlog.get_logger("towerd.store")
@@ -97,11 +97,11 @@ def beat(tx: Tx, sightings: Sightings) -> BeatReport:
            WHERE dead_at IS NULL AND daemon_id <> ? ORDER BY daemon_id""",
         (tx.daemon_id,),
     ).fetchall()
-    ttl = tx.config.presence_ttl_ms
+    ttl, recorded = tx.config.presence_ttl_ms, boxes.ttls(tx)  # each box by its own TTL
     quiet = sightings.unchanged_ms(presence, time.monotonic())
     lapsed = [
         (box,) for box, presence_at in presence
-        if presence_at <= tx.now - ttl and quiet[box] >= ttl
+        if presence_at <= tx.now - recorded.get(box, ttl) and quiet[box] >= recorded.get(box, ttl)
     ]  # fmt: skip
     for (box,) in lapsed:
         tx.conn.execute("UPDATE daemons SET dead_at = ? WHERE daemon_id = ?", (tx.now, box))

@@ -154,3 +154,30 @@ def test_a_watcher_on_one_box_hears_of_changes_made_through_the_other(
                 if push["event"] == "fleet" and session.get("session_id") == later:
                     assert push["data"]["op"] == "upsert" and session["cwd"] == "/a2"
                     break
+
+
+def test_each_box_is_judged_by_its_own_presence_settings(
+    make_daemon: Callable[..., Daemon], pg_dsn: str
+) -> None:
+    """A box that heartbeats every 8 s (TTL 30) beside one whose TTL is 5: the second
+    judged the first by its own TTL, declared it dead between two of its heartbeats and
+    granted its live holder's lease again (a hostile tester's reproducer). Each box's
+    TTL is recorded at its start, and a box is judged by its own."""
+    a = box(make_daemon, "a", pg_dsn).start()  # 0.5 s heartbeats, TTL 5
+    b = make_daemon("b")
+    b.extra_args = ["--store", pg_dsn, "--presence-interval", "8", "--presence-ttl", "30"]
+    b.start()
+    with a.client() as ca, b.client() as cb:
+        granted = cb.lease_acquire("deploy/prod", ttl_ms=600_000)
+        (b_row,) = [e for e in ca.boxes_list()["boxes"] if not e["self"]]
+
+        def a_beat_past_b_s_interval() -> bool:
+            (mine,) = [e for e in ca.boxes_list()["boxes"] if e["self"]]
+            return mine["presence_at"] > b_row["presence_at"] + 12_000
+
+        wait_for(a_beat_past_b_s_interval, timeout=30, what="a's heartbeats past 12 s")
+        states = {e["daemon_id"]: (e["state"], e["dead_at"]) for e in ca.boxes_list()["boxes"]}
+        assert set(states.values()) == {("present", None)}, states
+        with pytest.raises(LeaseHeld):
+            ca.lease_acquire("deploy/prod", ttl_ms=600_000)
+        cb.lease_renew("deploy/prod", granted["fencing_token"], ttl_ms=600_000)
