@@ -172,19 +172,20 @@ def _unreachable_store(store: Any) -> str | None:
 
 
 def _fleet_clock_findings(store: Any) -> list[Finding]:
-    """PostgreSQL: the server's clock went back below the fleet's (it stands still)."""
-    behind = (store or {}).get("clock_behind_ms") or 0  # the daemon reports over 1 s
-    if not behind:
+    """PostgreSQL: the server's clock was stepped apart from the fleet's."""
+    offset = (store or {}).get("clock_offset_ms") or 0  # the daemon reports over 1 s
+    if not offset:
         return []
+    way = "ahead of" if offset > 0 else "behind"
     return [
         Finding(
             "fleet clock",
             "warning",
-            f"the PostgreSQL server's clock is {behind / 1000:.0f} s below the fleet's (it "
-            "went back): the fleet's clock stands still, nothing expires and no box is "
-            "declared dead until the server's catches up",
-            "fix the server's time source; if it had been set far ahead by mistake, see "
-            "docs/reliability.md (the fleet's clock) for moving on sooner",
+            f"the PostgreSQL server's clock is {abs(offset) / 1000:.0f} s {way} the fleet's "
+            "(it was stepped): TTLs go on in elapsed time, and the fleet's clock comes "
+            "back to the server's at 1% of elapsed time",
+            "fix the server's time source; times towerd shows are off by that much "
+            "until the clocks agree",
         )
     ]
 

@@ -643,7 +643,7 @@ class StoreState(TypedDict):
     outbox_queued: int
     outbox_dropped: int
     outbox_forwarded: int
-    clock_behind_ms: int
+    clock_offset_ms: int
 
 
 class StuckVerdict(TypedDict):

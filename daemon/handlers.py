@@ -241,7 +241,7 @@ class Handlers:
             outbox_queued=outbox.queued if outbox else 0,
             outbox_dropped=outbox.dropped if outbox else 0,
             outbox_forwarded=outbox.forwarded if outbox else 0,
-            clock_behind_ms=self.store.clock_behind_ms,
+            clock_offset_ms=self.store.clock_offset_ms,
         )
 
     async def status(self, caller: Caller, params: m.Empty) -> m.StatusResult:

@@ -12,9 +12,9 @@ as far as the store functions use it, so one body of SQL serves both backends:
 * a ``bool`` argument is sent as the integer the schema stores;
 * ``BEGIN IMMEDIATE`` (SQLite: take the write lock now) is ``BEGIN`` and a transaction
   advisory lock every box's writer takes, so writes are serial across boxes exactly as
-  they are in one SQLite file; the fleet's clock is read under that lock
-  (``server_now``: the server's, never below the highest reading a batch recorded):
-  every TTL and deadline in the shared store is on it;
+  they are in one SQLite file; the server's clock and the fleet clock's record are read
+  under that lock (daemon/store/fleet_clock.py): every TTL and deadline in the shared
+  store is on the fleet's clock;
 * ``total_changes`` and ``in_transaction`` mean what they mean in sqlite3.
 
 The writer lock makes every check-then-write in the store functions as safe on
@@ -38,6 +38,7 @@ import psycopg
 from psycopg import pq
 from psycopg.adapt import PyFormat, Transformer
 
+from towerd.daemon.store import fleet_clock
 from towerd.protocol import fields
 
 WRITE_LOCK = 0x746F_7764_0057  # "towd" "W": the one advisory lock every box's writer takes
@@ -45,43 +46,23 @@ CONNECT_TIMEOUT_S = int(fields.STORE_DEADLINE_S)  # libpq takes whole seconds
 
 # floor, not the cast's rounding: a millisecond is the one that has begun, as in now_ms
 _SERVER_NOW_MS = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
-# The fleet's clock: the server's, never below the highest reading a batch recorded in
-# meta (FLEET_CLOCK_KEY). Every box reads the same value at the same point of the write
-# order, so a lease one box grants is read with the same clock by every other, also
-# after the server's clock stepped back: it then stands still at the recorded reading
-# until the server's catches up. (Each box held its own highest reading instead, and
-# after a step back of 120 s a box that had run before it read a 60 s lease granted by
-# another box since as expired and granted it again: a hostile tester's reproducer.)
-FLEET_CLOCK_KEY = "fleet_clock_ms"
-FLEET_CLOCK_EVERY_MS = 200  # a batch records its reading when the record is this old
-# A value that is not a reading (edited by hand) counts as none: the next batch records
-# the server's (a cast error failed every write, heartbeats included).
-_RECORDED_MS = (
-    f"(SELECT CASE WHEN value ~ '^[0-9]{{1,18}}$' THEN value::bigint END FROM meta "
-    f"WHERE key = '{FLEET_CLOCK_KEY}')"
-)
-_FLEET_NOW_MS = f"GREATEST({_SERVER_NOW_MS}, COALESCE({_RECORDED_MS}, 0))"
+# The fleet's clock (daemon/store/fleet_clock.py) is read from the server's and the
+# record in meta, under the writers' lock.
+_RECORD = f"(SELECT value FROM meta WHERE key = '{fleet_clock.KEY}')"
 # One simple-protocol message, one round trip: the statements run in order, and in READ
 # COMMITTED each takes its snapshot when it starts, so the clock is read, and every later
 # statement sees every commit made, once the lock is granted.
-_BEGIN_WRITE = f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK}); SELECT {_FLEET_NOW_MS}"
+_BEGIN_WRITE = (
+    f"BEGIN; SELECT pg_advisory_xact_lock({WRITE_LOCK}); SELECT {_SERVER_NOW_MS}, {_RECORD}"
+)
 # A write batch's head, prepared once per connection (parsed and planned on every batch,
-# inside the lock, it cost 45-90 us more per batch than EXECUTE: measured): the fleet's
-# clock (recorded when the record is FLEET_CLOCK_EVERY_MS old: after a step back the
-# clock a box reads may be that much below its previous batch's, never above another
-# box's), this daemon's epoch and dead_at.
+# inside the lock, it cost 45-90 us more per batch than EXECUTE: measured): the server's
+# clock and the fleet clock's record, this daemon's epoch and dead_at.
 _BATCH_HEAD = "towerd_batch_head"
 _PREPARE_BATCH_HEAD = (
-    f"PREPARE {_BATCH_HEAD}(text) AS "
-    f"WITH clock AS (SELECT {_SERVER_NOW_MS} AS server_ms, {_RECORDED_MS} AS recorded_ms), "
-    "recorded AS (INSERT INTO meta (key, value) "
-    f"SELECT '{FLEET_CLOCK_KEY}', server_ms::text FROM clock "
-    f"WHERE recorded_ms IS NULL OR recorded_ms <= server_ms - {FLEET_CLOCK_EVERY_MS} "
-    "ON CONFLICT (key) DO UPDATE SET value = excluded.value) "
-    "SELECT GREATEST(server_ms, COALESCE(recorded_ms, 0)), "
+    f"PREPARE {_BATCH_HEAD}(text) AS SELECT {_SERVER_NOW_MS}, {_RECORD}, "
     "(SELECT owner_epoch FROM daemons WHERE daemon_id = $1), "
-    "(SELECT dead_at FROM daemons WHERE daemon_id = $1), "
-    "GREATEST(COALESCE(recorded_ms, 0) - server_ms, 0) FROM clock"
+    "(SELECT dead_at FROM daemons WHERE daemon_id = $1)"
 ).encode()
 _DML = ("INSERT", "UPDATE", "DELETE", "MERGE")
 _DML_STATUS = tuple(verb.encode() for verb in _DML)
@@ -179,7 +160,8 @@ class PgConnection:
         self.raw = conn
         self.total_changes = 0
         self.server_now: int | None = None  # the fleet's clock, read by BEGIN IMMEDIATE
-        self.server_behind_ms = 0  # how far the server's was below it, at the last batch
+        self.server_ms = 0  # the server's clock, read by a batch's head
+        self.clock_record: fleet_clock.Record | None = None  # and the fleet clock's record
         self._notes: list[bytes] = []  # pg_notify statements sent with the next COMMIT
         self._begin_batch: dict[str, bytes] = {}  # daemon id -> its batch's first message
         self._tx = Transformer(conn)  # psycopg's adapters: arguments out, rows in
@@ -198,7 +180,9 @@ class PgConnection:
             return None
         if sql == "BEGIN IMMEDIATE":
             self._notes.clear()
-            self.server_now = _int(self._value(self._exec(_BEGIN_WRITE.encode()), 0))
+            result = self._exec(_BEGIN_WRITE.encode())
+            record = fleet_clock.Record.parse(self._value(result, 1))
+            self.server_now = fleet_clock.at_start(_int(self._value(result, 0)), record)
             return None
         if args:
             return self._run(sql, _arguments(args))
@@ -262,9 +246,9 @@ class PgConnection:
             ).encode()
         self._notes.clear()
         result = self._exec(message)
-        self.server_now = _int(self._value(result, 0))
-        self.server_behind_ms = _int(self._value(result, 3))
-        epoch, dead_at = self._value(result, 1), self._value(result, 2)
+        self.server_ms = _int(self._value(result, 0))
+        self.clock_record = fleet_clock.Record.parse(self._value(result, 1))
+        epoch, dead_at = self._value(result, 2), self._value(result, 3)
         return (
             None if epoch is None else _int(epoch),
             None if dead_at is None else _int(dead_at),
@@ -321,10 +305,11 @@ class PgConnection:
         return self.raw.closed or self.raw.broken
 
     def server_now_ms(self) -> int:
-        """The fleet's clock now (one round trip), outside the writer's lock."""
-        row = self.raw.execute(f"SELECT {_FLEET_NOW_MS}").fetchone()
+        """The fleet's clock now as a box with no anchor reads it (one round trip),
+        outside the writer's lock."""
+        row = self.raw.execute(f"SELECT {_SERVER_NOW_MS}, {_RECORD}").fetchone()
         assert row is not None
-        return int(row[0])
+        return fleet_clock.at_start(int(row[0]), fleet_clock.Record.parse(row[1]))
 
     def interrupt(self) -> None:
         """From any thread: shut the connection's socket down, so that a statement

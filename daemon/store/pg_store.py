@@ -39,7 +39,15 @@ import structlog
 
 from towerd.daemon.clock import Anchor, DaemonClock, boot_id, boottime_ms
 from towerd.daemon.private_paths import StartRefused, ensure_private_dir
-from towerd.daemon.store import boxes, identity, pg_changes, pg_schema, presence, upkeep
+from towerd.daemon.store import (
+    boxes,
+    fleet_clock,
+    identity,
+    pg_changes,
+    pg_schema,
+    presence,
+    upkeep,
+)
 from towerd.daemon.store.config import StoreConfig
 from towerd.daemon.store.ids import random_uuid
 from towerd.daemon.store.pg import PgConnection, connect, redacted
@@ -201,7 +209,6 @@ class _Call:
 
 CALL_DEADLINE_S = fields.STORE_DEADLINE_S
 STUCK_AFTER_S = 2 * CALL_DEADLINE_S  # a call still on its connection then is cut off
-STANDING_STILL_MS = 1000  # the server's clock this far below the fleet's is a step back
 INLINE_BOUND_S = 2  # a read on the event loop's own connection (read_now) is cut off then
 
 
@@ -232,10 +239,10 @@ class PgStore(Store):
     def __init__(self, config: StoreConfig, writer: Any, reader: Any, identity: Tx,
                  reconciliation: ReconcileReport, dsn: str) -> None:  # fmt: skip
         self.dsn = dsn
-        self._last_now = identity.now
-        self._server_ahead_ms = identity.now - now_ms()  # the server's clock minus towerd's
+        self.clock = fleet_clock.FleetClock()  # this box's reading of the fleet's clock
+        self._start_now, self._started_at = identity.now, now_ms()  # reads before a batch
+        self._clock_apart = False  # the server's clock is apart from the fleet's
         self.sightings = presence.Sightings()  # other boxes' presence, on our own clock
-        self.clock_standing_still = False  # the server's clock is below the fleet's
         self.reachable = True  # the last transaction reached the server
         self.store_error: str | None = None  # why not, when it did not
         super().__init__(config, writer, reader, identity, reconciliation, Path(os.devnull))
@@ -364,40 +371,36 @@ class PgStore(Store):
         )
 
     def _batch_now(self, conn: Any) -> int:
+        """The fleet's clock (daemon/store/fleet_clock.py), read under the writers' lock
+        from the server's clock and the record, and recorded when the record is old."""
         self._mark(None)  # the writer lock was granted: the server answers
-        if conn.server_now is None:  # not read (no batch head): the last one, as a floor
-            return self._last_now
-        # The fleet's clock as the server gave it (daemon/store/pg.py), not held at this
-        # box's own highest: every box must read a deadline with the same clock.
-        now = self._last_now = conn.server_now
-        self._server_ahead_ms = now - conn.server_behind_ms - now_ms()
-        self._note_standing_still(conn.server_behind_ms)
+        server_ms, record = conn.server_ms, conn.clock_record
+        now = self.clock.reading(server_ms, record)
+        fleet_clock.record_if_due(conn, now, server_ms, record)
+        self._note_offset(server_ms - now)
         return now
 
-    def _note_standing_still(self, behind_ms: int) -> None:
-        """Say when the fleet's clock stands still because the server's stepped back
-        (nothing expires and no box is declared dead meanwhile), and when it moves on."""
-        standing = behind_ms > STANDING_STILL_MS
-        self.clock_behind_ms = behind_ms if standing else 0  # what status reports
-        if standing and not self.clock_standing_still:
+    def _note_offset(self, offset_ms: int) -> None:
+        """Say when the server's clock is apart from the fleet's (it was stepped: the
+        fleet's follows elapsed time, and comes back to the server's at 1%), and when
+        they agree again."""
+        apart = abs(offset_ms) > fleet_clock.APART_MS
+        self.clock_offset_ms = offset_ms if apart else 0  # what status reports
+        if apart and not self._clock_apart:
             log.warning(
-                "fleet_clock_standing_still", code="unavailable", behind_ms=behind_ms,
-                why="the PostgreSQL server's clock went back below the fleet's: nothing "
-                "expires until it catches up",
+                "server_clock_stepped", code="unavailable", offset_ms=offset_ms,
+                why="the PostgreSQL server's clock moved apart from elapsed time; the "
+                "fleet's clock goes on with elapsed time and comes back to it at 1%",
             )  # fmt: skip
-        elif self.clock_standing_still and not standing:
-            log.info("fleet_clock_moving", behind_ms=behind_ms)
-        self.clock_standing_still = standing
+        elif self._clock_apart and not apart:
+            log.info("server_clock_agrees", offset_ms=offset_ms)
+        self._clock_apart = apart
 
     def _read_clock(self) -> int:
         """A read's clock is the fleet's too (what is due or expired is decided on it,
-        issue 16), without a round trip: towerd's clock plus how far the server's was
-        ahead at the last batch (the presence heartbeat makes one every few seconds),
-        never below that batch's reading: a read after a write sees its deadlines as the
-        write set them, and while the fleet's clock stands still (the server's went
-        back) reads stand still with it (following towerd's clock from the last batch,
-        they showed a lease every write still refused as expired)."""
-        return max(now_ms() + self._server_ahead_ms, self._last_now)
+        issue 16), without a round trip: this box's reading at its last batch moved on
+        by elapsed time (the presence heartbeat makes a batch every few seconds)."""
+        return self.clock.read(fallback=self._start_now + max(0, now_ms() - self._started_at))
 
     def _broken(self, conn: Any) -> bool:
         return bool(conn.broken)

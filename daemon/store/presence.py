@@ -81,12 +81,12 @@ def beat(tx: Tx, sightings: Sightings) -> BeatReport:
     the presence TTL is declared dead and its rows settled, in this transaction, and the
     declaration goes out with the batch's change notes (logged once committed).
 
-    The presence changes at every beat, also while the fleet's clock stands still (the
-    server's went back: daemon/store/pg.py): a millisecond on when the clock has not
-    moved. Written as the clock read, every beat of a freeze wrote one value, every box
-    looked unchanged for the TTL, and when the server's clock was put right the first
-    box to beat declared the others dead and their live holders' leases were granted
-    again (a hostile tester's reproducer)."""
+    The presence changes at every beat, also when the fleet's clock reads no later than
+    the last beat (daemon/store/fleet_clock.py: a floor, a box's first batch): a
+    millisecond on then. Written as the clock read, every beat of a clock standing still
+    wrote one value, every box looked unchanged for the TTL, and when it moved again the
+    first box to beat declared the others dead and their live holders' leases were
+    granted again (a hostile tester's reproducer)."""
     tx.conn.execute(
         """UPDATE daemons SET presence_at = CASE WHEN presence_at < ? THEN ?
                ELSE presence_at + 1 END WHERE daemon_id = ?""",

@@ -135,7 +135,7 @@ class Store:
     one_box = True  # every holder runs on this machine (see tx.own_box)
     reachable = True  # the database answered its last transaction (a file always does)
     store_error: str | None = None
-    clock_behind_ms = 0  # the clock's source below the fleet's (PostgreSQL's server went back)
+    clock_offset_ms = 0  # PostgreSQL: the server's clock minus the fleet's, when apart
 
     def __init__(
         self,

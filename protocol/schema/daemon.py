@@ -58,9 +58,9 @@ class StoreState(Struct):
     outbox_queued: int = 0
     outbox_dropped: int = 0
     outbox_forwarded: int = 0
-    # PostgreSQL: how far the server's clock is below the fleet's when over a second (it
-    # went back; nothing expires and no box is declared dead until it catches up); else 0
-    clock_behind_ms: int = 0
+    # PostgreSQL: the server's clock minus the fleet's when more than a second apart (the
+    # server's was stepped; the fleet's follows elapsed time and comes back to it at 1%)
+    clock_offset_ms: int = 0
 
 
 class KeyCounts(Struct):

@@ -2,8 +2,9 @@
 real private cluster whose wall clock libfaketime steps (its monotonic clock untouched,
 as an NTP step leaves it), the real client.
 
-Every deadline in a shared store is on the fleet's clock: the server's, never below the
-highest reading a write batch recorded (daemon/store/pg.py). What is proven here: after
+Every deadline in a shared store is on the fleet's clock, which follows elapsed time
+and comes back to the server's slowly (daemon/store/fleet_clock.py). What is proven
+here: after
 a step back larger than a lease's TTL, a lease granted through a box that started after
 the step is not granted again through a box that ran before it (each box held its own
 highest reading, and the older box read the new lease as expired: a hostile tester's
@@ -131,7 +132,7 @@ def test_a_step_back_longer_than_a_lease_grants_it_once(
         with pytest.raises(LeaseHeld):
             on_older.lease_acquire("deploy/prod", ttl_ms=60_000)
     for name, daemon in (("older", older), ("newer", newer)):  # each says why nothing expires
-        wait_for(lambda d=daemon: "fleet_clock_standing_still" in d.log(), timeout=10,
+        wait_for(lambda d=daemon: "server_clock_stepped" in d.log(), timeout=10,
                  what=f"the {name} box's warning")  # fmt: skip
 
 
@@ -147,11 +148,15 @@ def test_a_step_forward_longer_than_the_presence_ttl_declares_no_live_box_dead(
         before = server_ms(dsn)
         clock.set(30)
         wait_for(lambda: server_ms(dsn) > before + 25_000, timeout=10, what="the step forward")
-        stepped_at = server_ms(dsn)
+
+        def a_s_presence() -> int:
+            mine = [entry for entry in on_a.boxes_list()["boxes"] if entry["self"]]
+            return int(mine[0]["presence_at"])
+
+        stepped_at = a_s_presence()  # on the fleet's clock, which elapsed time moves
 
         def a_beat_a_ttl_after_the_step() -> bool:
-            mine = [entry for entry in on_a.boxes_list()["boxes"] if entry["self"]]
-            return mine[0]["presence_at"] > stepped_at + (TTL_S + 1) * 1000
+            return a_s_presence() > stepped_at + (TTL_S + 1) * 1000
 
         # The old rule declared B dead at A's first heartbeat after the step; the rule
         # now waits for B's presence to stay unchanged for the TTL on A's own clock.
@@ -163,16 +168,17 @@ def test_a_step_forward_longer_than_the_presence_ttl_declares_no_live_box_dead(
         on_b.lease_renew("deploy/prod", granted["fencing_token"], ttl_ms=600_000)
 
 
-def test_a_freeze_longer_than_the_presence_ttl_then_put_right_declares_no_live_box_dead(
+def test_a_step_back_put_right_later_expires_nothing_early_and_declares_no_box_dead(
     make_daemon: Callable[..., Daemon], stepped: tuple[PgCluster, ServerClock]
 ) -> None:
     """The server's clock goes back 30 s and is put right after more than a presence
-    TTL. While it stands still the fleet's clock does too: every heartbeat wrote the same
-    presence, every box looked unchanged for the TTL, and at the correction the first
-    box to beat declared the others dead and granted their live holders' leases again,
-    for boxes that ran before the step and for one started during it (a hostile
-    tester's reproducers). Reads stand still with the writes (they showed a held lease
-    expired), and status and doctor say the clock stands still."""
+    TTL, with a box started in between. The fleet's clock stood still while the server's
+    was back, then jumped forward at the correction: every heartbeat had written the
+    same presence and the first box to beat after the correction declared the others
+    dead, and a 5 s lease renewed every second through it expired and went to another
+    holder (hostile testers' reproducers). The fleet's clock follows elapsed time: the
+    renewed lease stays its holder's, nobody is declared dead, and status and doctor
+    say the server's clock is apart from the fleet's."""
     cluster, clock = stepped
     dsn = cluster.new_database(migrated=True)
     a = box(make_daemon, "a", dsn, QUICK_PRESENCE).start()
@@ -180,28 +186,37 @@ def test_a_freeze_longer_than_the_presence_ttl_then_put_right_declares_no_live_b
     before = server_ms(dsn)
     clock.set(-30)
     wait_for(lambda: server_ms(dsn) < before - 25_000, timeout=10, what="the step back")
-    c = box(make_daemon, "c", dsn, QUICK_PRESENCE).start()  # started during the freeze
+    c = box(make_daemon, "c", dsn, QUICK_PRESENCE).start()  # started during the step
     with a.client() as on_a, b.client() as on_b, c.client() as on_c:
         held = {
             "deploy/b": (on_b, on_b.lease_acquire("deploy/b", ttl_ms=600_000)),
             "deploy/c": (on_c, on_c.lease_acquire("deploy/c", ttl_ms=600_000)),
         }
-        on_b.lease_acquire("deploy/short", ttl_ms=5_000)
-        frozen_at = time.monotonic()
-        # The fault lasts longer than the TTL on every box's own clock: not a wait for
-        # the daemons, the length of the freeze under test. Reads meanwhile see the
-        # 5 s lease live, as every write does.
-        while time.monotonic() < frozen_at + TTL_S + 2:
-            assert on_a.lease_get("deploy/short")["live"] is True
-        assert on_a.status()["store"]["clock_behind_ms"] > 20_000
+        short = on_b.lease_acquire("deploy/short", ttl_ms=5_000)
+
+        def renew_short() -> None:  # its holder renews it every second, as a worker does
+            renewed_at = time.monotonic()
+            while time.monotonic() < renewed_at + 1:
+                assert on_a.lease_get("deploy/short")["live"] is True
+            with pytest.raises(LeaseHeld):
+                on_a.lease_acquire("deploy/short", ttl_ms=5_000)
+            on_b.lease_renew("deploy/short", short["fencing_token"], ttl_ms=5_000)
+
+        stepped_at = time.monotonic()
+        # The step lasts longer than the TTL on every box's own clock: not a wait for the
+        # daemons, the length of the fault under test.
+        while time.monotonic() < stepped_at + TTL_S + 2:
+            renew_short()
+        assert on_a.status()["store"]["clock_offset_ms"] < -20_000
         doctor = subprocess.run([TOWERCTL, "--socket", str(a.socket_path), "doctor"],
                                 capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert "below the fleet's" in doctor.stdout, doctor.stdout
+        assert "behind the fleet's" in doctor.stdout, doctor.stdout
         clock.set(0)
         wait_for(lambda: server_ms(dsn) > before, timeout=10, what="the clock put right")
-        corrected_at = server_ms(dsn)
+        corrected_at = max(e["presence_at"] for e in on_a.boxes_list()["boxes"])
 
         def every_box_beat_a_ttl_after() -> bool:
+            renew_short()
             boxes = on_a.boxes_list()["boxes"]
             return all(e["presence_at"] > corrected_at + (TTL_S + 1) * 1000 for e in boxes)
 
@@ -214,26 +229,30 @@ def test_a_freeze_longer_than_the_presence_ttl_then_put_right_declares_no_live_b
             with pytest.raises(LeaseHeld):
                 on_a.lease_acquire(resource, ttl_ms=600_000)
             holder.lease_renew(resource, granted["fencing_token"], ttl_ms=600_000)
+        assert on_a.status()["store"]["clock_offset_ms"] == 0  # they agree again
 
 
-def test_reads_stand_still_with_the_fleet_s_clock(
+def test_a_lease_granted_while_the_server_s_clock_is_back_lasts_its_ttl(
     make_daemon: Callable[..., Daemon], stepped: tuple[PgCluster, ServerClock]
 ) -> None:
-    """While the fleet's clock stands still, a read between two batches followed towerd's
-    own clock from the last one and showed a lease every write still refused as expired
-    (a hostile tester's reproducer; heartbeats 20 s apart leave that long between
-    batches)."""
+    """While the server's clock is 120 s back, a 5 s lease lasts 5 s of elapsed time,
+    and reads between two batches (heartbeats 20 s apart) see what writes see: live
+    until it expires, then free for another holder (the fleet's clock stood still
+    before, and the lease would have lasted until the server's clock caught up)."""
     cluster, clock = stepped
     dsn = cluster.new_database(migrated=True)
-    a = box(make_daemon, "a", dsn, ["--presence-interval", "20", "--presence-ttl", "60"])
-    a.start()
+    slow_beats = ["--presence-interval", "20", "--presence-ttl", "60"]
+    a = box(make_daemon, "a", dsn, slow_beats).start()
+    b = box(make_daemon, "b", dsn, slow_beats).start()
     before = server_ms(dsn)
     clock.set(-120)
     wait_for(lambda: server_ms(dsn) < before - 100_000, timeout=10, what="the step back")
-    with a.client() as client:
-        client.lease_acquire("deploy/short", ttl_ms=5_000)  # a batch on the frozen clock
+    with a.client() as on_a, b.client() as on_b:
+        on_a.lease_acquire("deploy/short", ttl_ms=5_000)
         granted_at = time.monotonic()
-        seen = []
-        while time.monotonic() < granted_at + 7:  # past the lease's TTL in real time
-            seen.append(client.lease_get("deploy/short")["live"])
-        assert all(seen), f"{seen.count(False)} of {len(seen)} reads said expired"
+        while time.monotonic() < granted_at + 4:  # within its TTL in elapsed time
+            assert on_b.lease_get("deploy/short")["live"] is True
+        wait_for(lambda: on_b.lease_get("deploy/short")["live"] is False, timeout=5,
+                 what="the lease to expire in elapsed time")  # fmt: skip
+        assert time.monotonic() - granted_at < 7
+        on_b.lease_acquire("deploy/short", ttl_ms=5_000)

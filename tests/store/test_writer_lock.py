@@ -159,15 +159,14 @@ async def test_a_batch_that_waited_for_the_lock_reads_the_clock_after_its_wait(
 async def test_a_batch_reads_the_fleet_clock_never_below_another_box_s_recorded_reading(
     short_tmp: Path,
 ) -> None:
-    """PostgreSQL: a batch's clock is the fleet's, the server's never below the highest
-    reading a batch recorded (daemon/store/pg.py); another box's batch that read the
-    server's clock before it stepped back recorded a reading above the server's now,
-    and this box reads that, the same clock the other box granted its leases on."""
+    """PostgreSQL: a batch's clock is the fleet's (daemon/store/fleet_clock.py): recorded
+    in meta with the server's reading, and never read below the record; another box's
+    reading above this box's (it ran ahead) is the floor this box goes on from."""
     if backend() != "postgresql":
         pytest.skip("the embedded store's clock is towerd's own, not a server's")
     import psycopg
 
-    from towerd.daemon.store.pg import FLEET_CLOCK_EVERY_MS, FLEET_CLOCK_KEY
+    from towerd.daemon.store.fleet_clock import KEY, RECORD_EVERY_MS, Record
 
     def now_of(tx: Tx) -> int:
         return tx.now
@@ -175,27 +174,28 @@ async def test_a_batch_reads_the_fleet_clock_never_below_another_box_s_recorded_
     async with opened(short_tmp) as store:
         first = await store.write(now_of)
         with psycopg.connect(store_dsn(short_tmp), autocommit=True) as other:
-            (recorded,) = other.execute(
-                "SELECT value::bigint FROM meta WHERE key = %s", (FLEET_CLOCK_KEY,)
-            ).fetchone()
-            assert first - FLEET_CLOCK_EVERY_MS <= recorded <= first
-            ahead = first + 3_600_000  # another box's reading, before a step back of 1 h
+            (value,) = other.execute("SELECT value FROM meta WHERE key = %s", (KEY,)).fetchone()
+            recorded = Record.parse(value)
+            assert recorded is not None
+            assert first - RECORD_EVERY_MS <= recorded.fleet_ms <= first
+            ahead = first + 3_600_000  # another box's reading, an hour ahead of this one's
             other.execute(
-                "UPDATE meta SET value = %s WHERE key = %s", (str(ahead), FLEET_CLOCK_KEY)
+                "UPDATE meta SET value = %s WHERE key = %s",
+                (f"{ahead} {recorded.server_ms}", KEY),
             )
-        assert await store.write(now_of) == ahead  # stands still until the server passes
-        assert await store.write(now_of) == ahead
+        assert ahead <= await store.write(now_of) < ahead + 1000  # from there, on
+        assert ahead <= await store.write(now_of) < ahead + 1000
 
 
 async def test_a_fleet_clock_record_edited_into_nonsense_is_read_as_none(short_tmp: Path) -> None:
-    """PostgreSQL: a ``fleet_clock_ms`` that is not a reading (edited by hand) failed
-    every write with an untyped cast error, heartbeats included, while doctor said all
-    was well (a hostile tester's finding); it now counts as none and is written over."""
+    """PostgreSQL: a fleet clock record that is not one (edited by hand) failed every
+    write with an untyped cast error, heartbeats included, while doctor said all was
+    well (a hostile tester's finding); it now counts as none and is written over."""
     if backend() != "postgresql":
         pytest.skip("the embedded store's clock is towerd's own, not a server's")
     import psycopg
 
-    from towerd.daemon.store.pg import FLEET_CLOCK_KEY
+    from towerd.daemon.store.fleet_clock import KEY, Record
 
     def now_of(tx: Tx) -> int:
         return tx.now
@@ -203,12 +203,11 @@ async def test_a_fleet_clock_record_edited_into_nonsense_is_read_as_none(short_t
     async with opened(short_tmp) as store:
         first = await store.write(now_of)
         with psycopg.connect(store_dsn(short_tmp), autocommit=True) as other:
-            other.execute("UPDATE meta SET value = 'oops' WHERE key = %s", (FLEET_CLOCK_KEY,))
+            other.execute("UPDATE meta SET value = 'oops' WHERE key = %s", (KEY,))
             assert await store.write(now_of) >= first
-            (value,) = other.execute(
-                "SELECT value FROM meta WHERE key = %s", (FLEET_CLOCK_KEY,)
-            ).fetchone()
-        assert value.isdigit() and int(value) >= first
+            (value,) = other.execute("SELECT value FROM meta WHERE key = %s", (KEY,)).fetchone()
+        recorded = Record.parse(value)
+        assert recorded is not None and recorded.fleet_ms >= first
 
 
 @pytest.mark.sqlite_only
