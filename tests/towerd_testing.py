@@ -359,7 +359,10 @@ def plant_foreign_rows(
     from towerd.protocol.methods import SessionRegisterParams
 
     async def plant() -> list[str]:
-        config = StoreConfig(state_dir, daemon_id=daemon_id, store=store)
+        # Its own presence TTL, recorded at its start, is the one it is judged by.
+        config = StoreConfig(
+            state_dir, daemon_id=daemon_id, store=store, presence_ttl_ms=QUICK_TTL_S * 1000
+        )
         async with open_store(config) as opened:
             return [
                 await opened.write(insert_session, SessionRegisterParams(cwd=f"/f{i}", agent="a"))
@@ -378,7 +381,8 @@ def plant_foreign_rows(
 # A daemon on PostgreSQL that declares a silent box dead soon: a box is declared dead
 # once its declarer has seen it silent for the presence TTL on its own clock (at least
 # 5 s), so a planted silent box waits that long after the daemon's start.
-QUICK_PRESENCE = ("--presence-interval", "0.5", "--presence-ttl", "5")
+QUICK_TTL_S = 5
+QUICK_PRESENCE = ("--presence-interval", "0.5", "--presence-ttl", str(QUICK_TTL_S))
 
 
 def start_declaring(daemon: Daemon) -> Daemon:
