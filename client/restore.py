@@ -370,6 +370,11 @@ class Restorer:
             # completed now, a check that then gave up would leave a launch marked done
             # that never started (a hostile tester's reproducer). Wait for it to decide.
             self.wait(lambda: not processes_with(GUARD_ENV, session_id), GUARD_WAIT_S)
+            if pane_alive(self.options, window_id):  # its agent starts only now
+                started = self.wait(
+                    lambda: self.session_started_since(session_id, record["created_at"]),
+                    self.options.timeout,
+                )
         if not started and not pane_alive(self.options, window_id):
             now = self.settle_own(key, ref, None)  # the agent is gone: a retry may launch
             outcome.result = "failed"

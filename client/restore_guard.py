@@ -108,6 +108,10 @@ def main(argv: list[str]) -> int:
     if separator != "--" or not command:
         print("usage: restore_guard SOCKET PRINCIPAL KEY REF SESSION -- ARGV", file=sys.stderr)
         return 2
+    if not os.access(command[0], os.X_OK):  # before the claim is settled for it
+        print(f"towerd: not starting session {session_id}: {command[0]} cannot be run",
+              file=sys.stderr)  # fmt: skip
+        return REFUSED
     try:
         with _client(socket_path, principal) as client:
             why = may_start(client, key, ref)
@@ -119,8 +123,11 @@ def main(argv: list[str]) -> int:
         return REFUSED
     os.environ.pop(GUARD_ENV, None)
     os.environ["TOWERD_SESSION_ID"] = session_id
-    os.execv(command[0], command)
-    return 127  # pragma: no cover - execv does not return
+    try:
+        os.execv(command[0], command)
+    except OSError as exc:  # after the claim was settled: say so, as a shell would
+        print(f"towerd: cannot start {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+    return 127
 
 
 if __name__ == "__main__":

@@ -242,8 +242,10 @@ async def _stop_on_signals(
 ) -> None:
     """SIGTERM, SIGINT, and SIGHUP: the terminal a daemon was started from in the
     background closed (it killed the daemon without a line in its log, and every hook
-    then failed open unseen); it now stops as for SIGTERM and says why."""
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    then failed open unseen); it now stops as for SIGTERM and says why. A SIGHUP the
+    daemon was started ignoring (``nohup towerd``) stays ignored."""
+    hangup = () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,)
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, *hangup) as signals:
         task_status.started()
         async for signum in signals:
             why = f"signal {signal.Signals(signum).name}"

@@ -22,15 +22,37 @@ _SELECT_BOXES = """SELECT daemon_id, owner_epoch, host, pid, started_at, presenc
 # by its own: judged by the judge's, a box heartbeating every 8 s (TTL 30) was declared
 # dead by one whose TTL was 5, and its live holders' leases were granted again.
 TTL_KEY = "presence_ttl_ms:"
+INTERVAL_KEY = "presence_interval_ms:"  # and how often it heartbeats
 
 
-def record_ttl(conn: Any, daemon_id: str, ttl_ms: int) -> None:
-    """At a box's start, in its transaction: the presence TTL it heartbeats for."""
-    conn.execute(
-        """INSERT INTO meta (key, value) VALUES (?, ?)
-           ON CONFLICT (key) DO UPDATE SET value = excluded.value""",
-        (TTL_KEY + daemon_id, str(ttl_ms)),
-    )
+def record_presence(conn: Any, daemon_id: str, ttl_ms: int, interval_ms: int) -> None:
+    """At a box's start, in its transaction: the presence TTL it heartbeats for, and
+    how often it heartbeats."""
+    for key, value in ((TTL_KEY, ttl_ms), (INTERVAL_KEY, interval_ms)):
+        conn.execute(
+            """INSERT INTO meta (key, value) VALUES (?, ?)
+               ON CONFLICT (key) DO UPDATE SET value = excluded.value""",
+            (key + daemon_id, str(value)),
+        )
+
+
+def others_heartbeat_within_ms(conn: Any, daemon_id: str, default_ms: int) -> int:
+    """The longest heartbeat interval of the boxes other than ``daemon_id`` not declared
+    dead (0: there are none): a running one records the fleet's clock within that."""
+    others = [
+        box for (box,) in conn.execute(
+            "SELECT daemon_id FROM daemons WHERE dead_at IS NULL AND daemon_id <> ?",
+            (daemon_id,),
+        ).fetchall()
+    ]  # fmt: skip
+    if not others:
+        return 0
+    rows = conn.execute(
+        "SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?",
+        (len(INTERVAL_KEY), INTERVAL_KEY),
+    ).fetchall()
+    recorded = {key[len(INTERVAL_KEY) :]: int(value) for key, value in rows if value.isdigit()}
+    return max(recorded.get(box, default_ms) for box in others)
 
 
 def ttls(tx: Tx) -> dict[str, int]:

@@ -588,7 +588,8 @@ def _refuse_a_box_not_dead(tx: Tx, daemon_id: str, presence_at: int, dead_at: in
         raise Conflict(
             f"box {daemon_id} is {box_state}, not dead: only a dead box's fleet is adopted. "
             f"Wait until `towerctl boxes` shows it dead (silent for the presence TTL, "
-            f"{tx.config.presence_ttl_ms // 1000} s), or stop its daemon first",
+            f"{boxes.ttls(tx).get(daemon_id, tx.config.presence_ttl_ms) // 1000} s), or "
+            "stop its daemon first",
             {"daemon_id": daemon_id, "state": box_state},
         )
 

@@ -23,6 +23,8 @@ agree within the record's granularity.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,8 @@ RECORD_EVERY_MS = 200  # a batch records its reading when the record is this old
 SLEW = 0.01  # how fast the fleet's clock comes back to the server's after a step
 ANCHOR_EVERY_MS = 1000  # a box moves its anchor on after this much elapsed time
 APART_MS = 1000  # the server's clock this far from the fleet's is reported
+FRESH_MS = 1000  # a record this recent on the server's clock is a running fleet's
+LOOK_EVERY_S = 0.2  # how often a starting box looks for a running box's next record
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,29 @@ class FleetClock:
 
     def __init__(self) -> None:
         self.anchor: tuple[int, int] | None = None  # (fleet ms, boottime ms) then
+        self.last = 0  # this box's last batch reading: the slew's turns never go back
+
+    def start(self, read: Callable[[], tuple[int, Record | None]], wait_s: float) -> int:
+        """A box's first reading, before it serves. The record moved on as the server's
+        clock moved since would take a step of the server's clock made since the last
+        record for elapsed time (taken by a box started between a forward step and the
+        next heartbeat, and recorded, it jumped every box's clock: a review's finding).
+        So when the record is older than a running fleet's and other boxes may run
+        (``wait_s``: the longest of their heartbeat intervals, twice), the box waits
+        for one of them to record again, and starts from that record; if none does, no
+        box runs, and the server's clock is all there is to go by."""
+        server_ms, record = read()
+        if record is not None and server_ms - record.server_ms > FRESH_MS and wait_s > 0:
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                time.sleep(LOOK_EVERY_S)
+                server_ms, newer = read()
+                if newer != record:
+                    record = newer
+                    break
+        fleet = at_start(server_ms, record)
+        self.anchor, self.last = (fleet, boottime_ms()), fleet
+        return fleet
 
     def reading(self, server_ms: int, record: Record | None) -> int:
         """The clock of a write batch, given the server's clock and the record read
@@ -74,14 +101,15 @@ class FleetClock:
         now = boottime_ms()
         if self.anchor is None:
             fleet = at_start(server_ms, record)
-            self.anchor = (fleet, now)
+            self.anchor, self.last = (fleet, now), fleet
             return fleet
-        fleet = self._moved_on(server_ms, now)
+        fleet = max(self._moved_on(server_ms, now), self.last)
         floored = record is not None and fleet < record.fleet_ms
         if record is not None and floored:
             fleet = record.fleet_ms
         if floored or now - self.anchor[1] >= ANCHOR_EVERY_MS:
             self.anchor = (fleet, now)
+        self.last = fleet
         return fleet
 
     def read(self, fallback: int) -> int:

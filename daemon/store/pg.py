@@ -161,6 +161,7 @@ class PgConnection:
         self.total_changes = 0
         self.server_now: int | None = None  # the fleet's clock, read by BEGIN IMMEDIATE
         self.server_ms = 0  # the server's clock, read by a batch's head
+        self.fleet_clock = fleet_clock.FleetClock()  # the box's (open_pg_store sets it)
         self.clock_record: fleet_clock.Record | None = None  # and the fleet clock's record
         self._notes: list[bytes] = []  # pg_notify statements sent with the next COMMIT
         self._begin_batch: dict[str, bytes] = {}  # daemon id -> its batch's first message
@@ -182,7 +183,7 @@ class PgConnection:
             self._notes.clear()
             result = self._exec(_BEGIN_WRITE.encode())
             record = fleet_clock.Record.parse(self._value(result, 1))
-            self.server_now = fleet_clock.at_start(_int(self._value(result, 0)), record)
+            self.server_now = self.fleet_clock.reading(_int(self._value(result, 0)), record)
             return None
         if args:
             return self._run(sql, _arguments(args))
@@ -234,8 +235,9 @@ class PgConnection:
 
     def begin_batch(self, daemon_id: str) -> tuple[int | None, int | None]:
         """``BEGIN IMMEDIATE`` for a write batch, in one round trip: BEGIN, the writer
-        lock, then the server's clock (``server_now``) and this daemon's ``owner_epoch``
-        and ``dead_at`` as the lock holder sees them (None, None: its row is gone)."""
+        lock, then the server's clock (``server_ms``), the fleet clock's record
+        (``clock_record``), and this daemon's ``owner_epoch`` and ``dead_at`` as the
+        lock holder sees them (None, None: its row is gone)."""
         message = self._begin_batch.get(daemon_id)
         if message is None:
             if not self._begin_batch:
@@ -304,12 +306,12 @@ class PgConnection:
     def broken(self) -> bool:
         return self.raw.closed or self.raw.broken
 
-    def server_now_ms(self) -> int:
-        """The fleet's clock now as a box with no anchor reads it (one round trip),
-        outside the writer's lock."""
+    def clock_sources(self) -> tuple[int, fleet_clock.Record | None]:
+        """The server's clock and the fleet clock's record (one round trip), outside the
+        writer's lock."""
         row = self.raw.execute(f"SELECT {_SERVER_NOW_MS}, {_RECORD}").fetchone()
         assert row is not None
-        return fleet_clock.at_start(int(row[0]), fleet_clock.Record.parse(row[1]))
+        return int(row[0]), fleet_clock.Record.parse(row[1])
 
     def interrupt(self) -> None:
         """From any thread: shut the connection's socket down, so that a statement

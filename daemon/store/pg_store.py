@@ -7,9 +7,10 @@ What differs from daemon/store/store.py, and only that, is here:
   worker thread at a time (the store functions are synchronous SQL, one hop per
   transaction, exactly as on SQLite; an async driver would need a second copy of every
   store function). A connection that broke is replaced at the next use;
-* the clock: a batch's ``tx.now`` is the server's ``clock_timestamp()`` read under the
-  writer lock (daemon/store/pg.py), never this box's clock, and never less than the
-  previous batch's; this box's own clock is anchored to the server's at start-up;
+* the clock: a batch's ``tx.now`` is the fleet's clock (daemon/store/fleet_clock.py),
+  read under the writer lock from the server's ``clock_timestamp()``, the record of it
+  in ``meta`` and this box's elapsed time; this box's own clock is anchored to it at
+  start-up;
 * identity: the daemon id lives in the state dir's record (daemon/store/identity.py),
   the shared database only knows it as a row of ``daemons``; a state dir whose daemon
   the database does not know (the database was replaced or reset) is refused unless
@@ -237,9 +238,10 @@ class PgStore(Store):
     one_box = False  # several boxes' holders: this daemon checks its own box's pids only
 
     def __init__(self, config: StoreConfig, writer: Any, reader: Any, identity: Tx,
-                 reconciliation: ReconcileReport, dsn: str) -> None:  # fmt: skip
+                 reconciliation: ReconcileReport, dsn: str,
+                 fleet: fleet_clock.FleetClock | None = None) -> None:  # fmt: skip
         self.dsn = dsn
-        self.clock = fleet_clock.FleetClock()  # this box's reading of the fleet's clock
+        self.clock = fleet or fleet_clock.FleetClock()  # this box's reading of the fleet's clock
         self._start_now, self._started_at = identity.now, now_ms()  # reads before a batch
         self._clock_apart = False  # the server's clock is apart from the fleet's
         self.sightings = presence.Sightings()  # other boxes' presence, on our own clock
@@ -438,7 +440,7 @@ class PgStore(Store):
 
 
 def _start(
-    conn: PgConnection, config: StoreConfig, recorded: str | None
+    conn: PgConnection, config: StoreConfig, recorded: str | None, fleet: fleet_clock.FleetClock
 ) -> tuple[Tx, ReconcileReport, DaemonClock]:
     """On the writer's connection: migrate, check the shape, then the start-up
     transaction (the next epoch, reconciliation of this box's keys) on the server's clock."""
@@ -455,7 +457,9 @@ def _start(
                 f"the right database, or {identity.NEW_STORE_HINT}"
             )
     daemon_id = daemon_id or random_uuid()
-    now = conn.server_now_ms()
+    within_ms = boxes.others_heartbeat_within_ms(conn, daemon_id, config.presence_interval_ms)
+    now = fleet.start(conn.clock_sources, 2 * within_ms / 1000 + 1 if within_ms else 0)
+    conn.fleet_clock = fleet
     clock = DaemonClock(Anchor(boot_id(), boottime_ms(), now))
     use_clock(clock)
     started, report = start_daemon(
@@ -475,7 +479,9 @@ def _start(
         "UPDATE daemons SET presence_at = ?, dead_at = NULL WHERE daemon_id = ?",
         (conn.server_now, started.daemon_id),
     )
-    boxes.record_ttl(conn, started.daemon_id, config.presence_ttl_ms)
+    boxes.record_presence(
+        conn, started.daemon_id, config.presence_ttl_ms, config.presence_interval_ms
+    )
     conn.execute("COMMIT")
     return started, report, clock
 
@@ -520,14 +526,15 @@ async def open_pg_store(config: StoreConfig) -> AsyncIterator[PgStore]:
             f"cannot reach the PostgreSQL store {redacted(config.store)}: {exc}"
         ) from None
     try:
-        started, report, _clock = await writer.run(_start, config, recorded)
+        fleet = fleet_clock.FleetClock()  # this box's reading, from its start on
+        started, report, _clock = await writer.run(_start, config, recorded, fleet)
         if own_identity:
             await anyio.to_thread.run_sync(identity.keep_record, state_dir, started.daemon_id)
         log.info("store_opened", backend="postgresql", store=redacted(config.store),
                  daemon_id=started.daemon_id, owner_epoch=started.owner_epoch)  # fmt: skip
         reader = await _PgThread.open(config.store, "reader")
         try:
-            store = PgStore(config, writer, reader, started, report, config.store)
+            store = PgStore(config, writer, reader, started, report, config.store, fleet)
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(store._write_batches)
                 presence_scope = await tasks.start(_keep_present, store)

@@ -1,8 +1,9 @@
 """Boxes' presence on a shared store: each daemon heartbeats its row; a box silent past
 the presence TTL is dead for everyone, and any live daemon settles what it held.
 
-Presence is on the server's clock (every box's ``tx.now`` is, daemon/store/pg.py), so
-boxes whose clocks differ agree on who lapsed; and a box is declared dead only once the
+Presence is on the fleet's clock (every box's ``tx.now`` is, daemon/store/fleet_clock.py),
+so boxes whose clocks differ agree on who lapsed, each box judged by its own presence
+TTL (recorded at its start, daemon/store/boxes.py); and a box is declared dead only once the
 declaring box has also seen its presence unchanged for the TTL on its own monotonic
 clock (:class:`Sightings`), so a step in the server's clock declares no live box dead.
 Only a box's own daemon checks its pids (tx.own_box); for another box, its presence is

@@ -153,3 +153,18 @@ def test_a_hang_up_stops_the_daemon_cleanly_and_says_why(daemon):
     daemon.proc.send_signal(signal.SIGHUP)
     assert daemon.proc.wait(15) == 0
     assert "SIGHUP (the terminal that started towerd closed?" in daemon.log()
+
+
+def test_a_daemon_started_ignoring_hang_ups_keeps_ignoring_them(make_daemon):
+    """`nohup towerd &` kept the daemon through a closed terminal before it handled
+    SIGHUP; a hang-up it was started ignoring stays ignored (a review's finding)."""
+    import signal
+
+    daemon = make_daemon()
+    daemon.prefix = ["nohup"]
+    daemon.start()
+    daemon.proc.send_signal(signal.SIGHUP)  # nohup's own process is the daemon (exec)
+    with daemon.client() as client:
+        assert client.idem_claim("deploy", "after-hup")["state"] == "claimed"
+    assert daemon.proc.poll() is None
+    assert "SIGHUP" not in daemon.log()

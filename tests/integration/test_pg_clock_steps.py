@@ -256,3 +256,34 @@ def test_a_lease_granted_while_the_server_s_clock_is_back_lasts_its_ttl(
                  what="the lease to expire in elapsed time")  # fmt: skip
         assert time.monotonic() - granted_at < 7
         on_b.lease_acquire("deploy/short", ttl_ms=5_000)
+
+
+def test_a_box_started_after_a_step_forward_does_not_jump_the_fleet_s_clock(
+    make_daemon: Callable[..., Daemon], stepped: tuple[PgCluster, ServerClock]
+) -> None:
+    """The server's clock steps 60 s forward just after a running box's heartbeat, and a
+    box starts before the next one: it took the record moved on as the server's clock
+    moved, step included, recorded that, and every box's clock jumped 60 s: a running
+    holder's 30 s lease was granted again through the new box (a review's finding). A
+    starting box now waits for a running box's next record and starts from it."""
+    cluster, clock = stepped
+    dsn = cluster.new_database(migrated=True)
+    a = box(make_daemon, "a", dsn, ["--presence-interval", "8", "--presence-ttl", "30"]).start()
+    with a.client() as on_a:
+        on_a.lease_acquire("deploy/prod", ttl_ms=30_000)
+        (mine,) = [e for e in on_a.boxes_list()["boxes"] if e["self"]]
+        wait_for(
+            lambda: (
+                [e for e in on_a.boxes_list()["boxes"] if e["self"]][0]["presence_at"]
+                != mine["presence_at"]
+            ),
+            timeout=15,
+            what="a's next heartbeat",
+        )  # the step comes right after it: the next is 8 s away
+        before = server_ms(dsn)
+        clock.set(60)
+        wait_for(lambda: server_ms(dsn) > before + 55_000, timeout=10, what="the step")
+        c = box(make_daemon, "c", dsn, QUICK_PRESENCE).start()
+        with c.client() as on_c:
+            with pytest.raises(LeaseHeld):
+                on_c.lease_acquire("deploy/prod", ttl_ms=30_000)
