@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from towerd.daemon.store.config import StoreConfig
 from towerd.daemon.store.tx import Caller, Tx, fitted
 from towerd.protocol.methods import BoxListResult, BoxRecord, Empty
 
@@ -23,6 +24,7 @@ _SELECT_BOXES = """SELECT daemon_id, owner_epoch, host, pid, started_at, presenc
 # dead by one whose TTL was 5, and its live holders' leases were granted again.
 TTL_KEY = "presence_ttl_ms:"
 INTERVAL_KEY = "presence_interval_ms:"  # and how often it heartbeats
+PRESENCE_KEYS = "presence_"  # what both keys begin with
 
 
 def record_presence(conn: Any, daemon_id: str, ttl_ms: int, interval_ms: int) -> None:
@@ -36,23 +38,42 @@ def record_presence(conn: Any, daemon_id: str, ttl_ms: int, interval_ms: int) ->
         )
 
 
-def others_heartbeat_within_ms(conn: Any, daemon_id: str, default_ms: int) -> int:
-    """The longest heartbeat interval of the boxes other than ``daemon_id`` not declared
-    dead (0: there are none): a running one records the fleet's clock within that."""
-    others = [
-        box for (box,) in conn.execute(
-            "SELECT daemon_id FROM daemons WHERE dead_at IS NULL AND daemon_id <> ?",
-            (daemon_id,),
-        ).fetchall()
-    ]  # fmt: skip
-    if not others:
-        return 0
+def others_heartbeat_within_ms(
+    conn: Any, daemon_id: str, as_of_ms: int, default_interval_ms: int, default_ttl_ms: int
+) -> int:
+    """The longest heartbeat interval of the boxes other than ``daemon_id`` that were
+    present at fleet time ``as_of_ms`` (0: none was): a running one records the fleet's
+    clock within that. A box silent then (crashed long before, planted silent) is not
+    waited for."""
     rows = conn.execute(
-        "SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?",
-        (len(INTERVAL_KEY), INTERVAL_KEY),
+        "SELECT daemon_id, presence_at FROM daemons WHERE dead_at IS NULL AND daemon_id <> ?",
+        (daemon_id,),
     ).fetchall()
-    recorded = {key[len(INTERVAL_KEY) :]: int(value) for key, value in rows if value.isdigit()}
-    return max(recorded.get(box, default_ms) for box in others)
+    if not rows:
+        return 0
+    settings = conn.execute(
+        "SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?",
+        (len(PRESENCE_KEYS), PRESENCE_KEYS),
+    ).fetchall()
+    recorded = {key: int(value) for key, value in settings if value.isdigit()}
+    present = [
+        box for box, presence_at in rows
+        if presence_at + recorded.get(TTL_KEY + box, default_ttl_ms) >= as_of_ms
+    ]  # fmt: skip
+    return max(
+        (recorded.get(INTERVAL_KEY + box, default_interval_ms) for box in present), default=0
+    )
+
+
+def ttl_of(tx: Tx, recorded: dict[str, int], box: str) -> int:
+    """The presence TTL ``box`` is judged by: its recorded one; without a record on a
+    shared store (its record deleted, or a box from before they were recorded, as in a
+    rolling upgrade), never shorter than the default TTL (judged by a judge's shorter
+    TTL, such a box heartbeating at the default pace was declared dead: a hostile
+    tester's finding); on the embedded store, whose other daemon ids are earlier
+    daemons of this box, this daemon's."""
+    own = tx.config.presence_ttl_ms
+    return recorded.get(box, own if tx.one_box else max(own, StoreConfig.presence_ttl_ms))
 
 
 def ttls(tx: Tx) -> dict[str, int]:
@@ -89,7 +110,13 @@ def list_boxes(tx: Tx, caller: Caller, params: Empty) -> BoxListResult:
             started_at=started_at,
             presence_at=presence_at,
             dead_at=dead_at,
-            state=state(tx, daemon_id, presence_at, dead_at, recorded.get(daemon_id)),
+            state=state(
+                tx,
+                daemon_id,
+                presence_at,
+                dead_at,
+                ttl_of(tx, recorded, daemon_id),
+            ),  # fmt: skip
             self=daemon_id == tx.daemon_id,
         )
         for daemon_id, owner_epoch, host, pid, started_at, presence_at, dead_at in (

@@ -583,12 +583,13 @@ def _refuse_a_box_not_dead(tx: Tx, daemon_id: str, presence_at: int, dead_at: in
     check; adopted, their liveness would be judged by this box, on the wrong machine."""
     if tx.one_box:
         return
-    box_state = boxes.state(tx, daemon_id, presence_at, dead_at, boxes.ttls(tx).get(daemon_id))
+    ttl = boxes.ttl_of(tx, boxes.ttls(tx), daemon_id)
+    box_state = boxes.state(tx, daemon_id, presence_at, dead_at, ttl)
     if box_state != "dead":
         raise Conflict(
             f"box {daemon_id} is {box_state}, not dead: only a dead box's fleet is adopted. "
             f"Wait until `towerctl boxes` shows it dead (silent for the presence TTL, "
-            f"{boxes.ttls(tx).get(daemon_id, tx.config.presence_ttl_ms) // 1000} s), or "
+            f"{ttl // 1000} s), or "
             "stop its daemon first",
             {"daemon_id": daemon_id, "state": box_state},
         )

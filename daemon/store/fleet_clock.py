@@ -23,8 +23,6 @@ agree within the record's granularity.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +35,7 @@ ANCHOR_EVERY_MS = 1000  # a box moves its anchor on after this much elapsed time
 APART_MS = 1000  # the server's clock this far from the fleet's is reported
 FRESH_MS = 1000  # a record this recent on the server's clock is a running fleet's
 LOOK_EVERY_S = 0.2  # how often a starting box looks for a running box's next record
+START_WAIT_MAX_S = 21.0  # the longest a starting box waits for it (two default beats)
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,15 @@ class Record:
         return cls(fleet_ms, server_ms)
 
 
+def needs_fresh_record(server_ms: int, record: Record | None) -> bool:
+    """Whether a starting box should wait for a running box's next record: the record
+    moved on as the server's clock moved since takes a step of the server's clock made
+    since the last record for elapsed time (a box started between a forward step and
+    the next heartbeat took it, recorded it, and every box's clock jumped: a review's
+    finding). A record fresher than FRESH_MS leaves no room for a step to hide in."""
+    return record is not None and server_ms - record.server_ms > FRESH_MS
+
+
 def at_start(server_ms: int, record: Record | None) -> int:
     """The reading of a box with no anchor: the record moved on as the server's clock
     moved since (never back), or the server's clock."""
@@ -73,24 +81,9 @@ class FleetClock:
         self.anchor: tuple[int, int] | None = None  # (fleet ms, boottime ms) then
         self.last = 0  # this box's last batch reading: the slew's turns never go back
 
-    def start(self, read: Callable[[], tuple[int, Record | None]], wait_s: float) -> int:
-        """A box's first reading, before it serves. The record moved on as the server's
-        clock moved since would take a step of the server's clock made since the last
-        record for elapsed time (taken by a box started between a forward step and the
-        next heartbeat, and recorded, it jumped every box's clock: a review's finding).
-        So when the record is older than a running fleet's and other boxes may run
-        (``wait_s``: the longest of their heartbeat intervals, twice), the box waits
-        for one of them to record again, and starts from that record; if none does, no
-        box runs, and the server's clock is all there is to go by."""
-        server_ms, record = read()
-        if record is not None and server_ms - record.server_ms > FRESH_MS and wait_s > 0:
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                time.sleep(LOOK_EVERY_S)
-                server_ms, newer = read()
-                if newer != record:
-                    record = newer
-                    break
+    def begin(self, server_ms: int, record: Record | None) -> int:
+        """A box's first reading, before it serves, from the record it chose (a starting
+        box waits for a running box's next record: ``needs_fresh_record``)."""
         fleet = at_start(server_ms, record)
         self.anchor, self.last = (fleet, boottime_ms()), fleet
         return fleet

@@ -441,7 +441,7 @@ class PgStore(Store):
 
 def _start(
     conn: PgConnection, config: StoreConfig, recorded: str | None, fleet: fleet_clock.FleetClock
-) -> tuple[Tx, ReconcileReport, DaemonClock]:
+) -> tuple[Tx, ReconcileReport, DaemonClock] | float:
     """On the writer's connection: migrate, check the shape, then the start-up
     transaction (the next epoch, reconciliation of this box's keys) on the server's clock."""
     pg_schema.migrate(conn.raw)
@@ -457,8 +457,20 @@ def _start(
                 f"the right database, or {identity.NEW_STORE_HINT}"
             )
     daemon_id = daemon_id or random_uuid()
-    within_ms = boxes.others_heartbeat_within_ms(conn, daemon_id, config.presence_interval_ms)
-    now = fleet.start(conn.clock_sources, 2 * within_ms / 1000 + 1 if within_ms else 0)
+    if fleet.anchor is None:
+        server_ms, record = conn.clock_sources()
+        if record is not None and fleet_clock.needs_fresh_record(server_ms, record):
+            within_ms = boxes.others_heartbeat_within_ms(
+                conn, daemon_id, record.fleet_ms, config.presence_interval_ms,
+                StoreConfig.presence_ttl_ms,
+            )  # fmt: skip
+        else:
+            within_ms = 0
+        if within_ms:
+            # the caller waits for a running box's record, never past START_WAIT_MAX_S
+            return min(2 * within_ms / 1000 + 1, fleet_clock.START_WAIT_MAX_S)
+        fleet.begin(server_ms, record)
+    now = fleet.last
     conn.fleet_clock = fleet
     clock = DaemonClock(Anchor(boot_id(), boottime_ms(), now))
     use_clock(clock)
@@ -484,6 +496,28 @@ def _start(
     )
     conn.execute("COMMIT")
     return started, report, clock
+
+
+async def _wait_for_a_fresh_record(
+    writer: _PgThread, fleet: fleet_clock.FleetClock, wait_s: float
+) -> None:
+    """Before a box serves: wait up to ``wait_s`` for a running box to record the fleet's
+    clock again, and begin from that record (or, none recording, from the old one moved
+    on as the server's clock moved: no box runs). Each look is a call of its own on the
+    writer's thread: one long call is cut off as stuck (an 11 s wait was, and the box
+    never started)."""
+    server_ms, record = await writer.run(PgConnection.clock_sources)
+    log.info("fleet_clock_waiting", seconds=round(wait_s, 1),
+             why="the fleet's clock was last recorded a while ago: waiting for a running "
+             "box's next record, so a step of the server's clock is not taken as time")  # fmt: skip
+    with anyio.move_on_after(wait_s):
+        while True:
+            await anyio.sleep(fleet_clock.LOOK_EVERY_S)
+            server_ms, newer = await writer.run(PgConnection.clock_sources)
+            if newer != record:
+                record = newer
+                break
+    fleet.begin(server_ms, record)
 
 
 async def _keep_present(
@@ -527,7 +561,12 @@ async def open_pg_store(config: StoreConfig) -> AsyncIterator[PgStore]:
         ) from None
     try:
         fleet = fleet_clock.FleetClock()  # this box's reading, from its start on
-        started, report, _clock = await writer.run(_start, config, recorded, fleet)
+        begun = await writer.run(_start, config, recorded, fleet)
+        if isinstance(begun, float):  # other boxes may run: wait for one's next record
+            await _wait_for_a_fresh_record(writer, fleet, begun)
+            begun = await writer.run(_start, config, recorded, fleet)
+        assert not isinstance(begun, float)
+        started, report, _clock = begun
         if own_identity:
             await anyio.to_thread.run_sync(identity.keep_record, state_dir, started.daemon_id)
         log.info("store_opened", backend="postgresql", store=redacted(config.store),

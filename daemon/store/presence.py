@@ -98,12 +98,13 @@ def beat(tx: Tx, sightings: Sightings) -> BeatReport:
            WHERE dead_at IS NULL AND daemon_id <> ? ORDER BY daemon_id""",
         (tx.daemon_id,),
     ).fetchall()
-    ttl, recorded = tx.config.presence_ttl_ms, boxes.ttls(tx)  # each box by its own TTL
+    recorded = boxes.ttls(tx)  # each box judged by its own TTL
     quiet = sightings.unchanged_ms(presence, time.monotonic())
-    lapsed = [
-        (box,) for box, presence_at in presence
-        if presence_at <= tx.now - recorded.get(box, ttl) and quiet[box] >= recorded.get(box, ttl)
-    ]  # fmt: skip
+    lapsed = []
+    for box, presence_at in presence:
+        ttl = boxes.ttl_of(tx, recorded, box)
+        if presence_at <= tx.now - ttl and quiet[box] >= ttl:
+            lapsed.append((box,))
     for (box,) in lapsed:
         tx.conn.execute("UPDATE daemons SET dead_at = ? WHERE daemon_id = ?", (tx.now, box))
         settled = settle_box(tx, box)

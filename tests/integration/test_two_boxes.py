@@ -181,3 +181,69 @@ def test_each_box_is_judged_by_its_own_presence_settings(
         with pytest.raises(LeaseHeld):
             ca.lease_acquire("deploy/prod", ttl_ms=600_000)
         cb.lease_renew("deploy/prod", granted["fencing_token"], ttl_ms=600_000)
+
+
+def test_a_box_without_a_recorded_ttl_is_judged_by_no_shorter_than_the_default(
+    make_daemon: Callable[..., Daemon], pg_dsn: str
+) -> None:
+    """A box whose presence TTL is not recorded (a box from before they were, in a
+    rolling upgrade, or its record deleted) was judged by the judge's own shorter TTL
+    again, and declared dead between two heartbeats (a hostile tester's finding)."""
+    import psycopg
+
+    from towerd.daemon.store.boxes import TTL_KEY
+
+    a = box(make_daemon, "a", pg_dsn).start()  # 0.5 s heartbeats, TTL 5
+    b = make_daemon("b")
+    b.extra_args = ["--store", pg_dsn, "--presence-interval", "8", "--presence-ttl", "30"]
+    b.start()
+    with a.client() as ca, b.client() as cb:
+        (b_row,) = [e for e in ca.boxes_list()["boxes"] if not e["self"]]
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM meta WHERE key = %s", (TTL_KEY + b_row["daemon_id"],))
+        granted = cb.lease_acquire("deploy/prod", ttl_ms=600_000)
+
+        def a_beat_past_b_s_interval() -> bool:
+            (mine,) = [e for e in ca.boxes_list()["boxes"] if e["self"]]
+            return mine["presence_at"] > b_row["presence_at"] + 12_000
+
+        wait_for(a_beat_past_b_s_interval, timeout=30, what="a's heartbeats past 12 s")
+        with pytest.raises(LeaseHeld):
+            ca.lease_acquire("deploy/prod", ttl_ms=600_000)
+        cb.lease_renew("deploy/prod", granted["fencing_token"], ttl_ms=600_000)
+
+
+def test_a_box_starting_after_the_whole_fleet_stopped_starts(
+    make_daemon: Callable[..., Daemon], pg_dsn: str
+) -> None:
+    """Every box stopped, one started again: it waits for a running box's next record of
+    the fleet's clock (twice the longest heartbeat interval, 11 s at the default 5 s),
+    and that wait, made in one call on the writer's connection, was cut off as stuck:
+    the box never started (a hostile tester's finding)."""
+    import psycopg
+
+    from towerd.daemon.store.fleet_clock import KEY, Record
+
+    a = make_daemon("a")
+    a.extra_args = ["--store", pg_dsn]  # the default 5 s heartbeats
+    a.start()
+    b = make_daemon("b")
+    b.extra_args = ["--store", pg_dsn]
+    b.start()
+    assert a.stop() == 0 and b.stop() == 0
+
+    def record_older_than_a_running_fleet_s() -> bool:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            value, server = conn.execute(
+                "SELECT value, floor(extract(epoch FROM clock_timestamp()) * 1000) "
+                "FROM meta WHERE key = %s",
+                (KEY,),
+            ).fetchone()
+        record = Record.parse(value)
+        return record is not None and server - record.server_ms > 1500
+
+    wait_for(record_older_than_a_running_fleet_s, timeout=10, what="the record to age")
+    a.start()
+    with a.client() as client:
+        assert client.ping()["store"] == "reachable"
+    assert "fleet_clock_waiting" in a.log()

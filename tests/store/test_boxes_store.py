@@ -54,18 +54,22 @@ async def boxes_at(store: Store, now: int, ttl: int = TTL) -> list[BoxRecord]:
     return result.boxes
 
 
-async def plant_box(store: Store, daemon_id: str, **row: Any) -> None:
-    """A ``daemons`` row of a box that is not running here."""
+async def plant_box(store: Store, daemon_id: str, ttl_ms: int = TTL, **row: Any) -> None:
+    """A ``daemons`` row of a box that is not running here, and its presence TTL
+    recorded as its start records it."""
     values = {"owner_epoch": 1, "pid": 4242, "host": "elsewhere", "started_at": 1,
               "presence_at": 0, "dead_at": None, **row}  # fmt: skip
     columns = ", ".join(values)
-    await store.write(
-        lambda tx: tx.conn.execute(
+
+    def plant(tx: Tx) -> None:
+        tx.conn.execute(
             f"INSERT INTO daemons (daemon_id, {columns}) "
             f"VALUES (?, {', '.join('?' * len(values))})",
             (daemon_id, *values.values()),
         )
-    )
+        boxes.record_presence(tx.conn, daemon_id, ttl_ms, ttl_ms // 2)
+
+    await store.write(plant)
 
 
 async def daemon_row(store: Store, daemon_id: str) -> tuple[Any, ...]:
@@ -343,7 +347,7 @@ async def test_a_box_is_declared_dead_only_once_seen_silent_for_the_ttl_on_our_o
     async with opened(short_tmp, presence_interval_ms=NO_BEAT, presence_ttl_ms=ttl) as store:
         await past_the_start_beat(store)
         now = await now_of(store)
-        await plant_box(store, OTHER, presence_at=now - 10 * ttl)  # lapsed on the server
+        await plant_box(store, OTHER, ttl_ms=ttl, presence_at=now - 10 * ttl)  # lapsed
         sightings = presence.Sightings()
         started = time.monotonic()
         await store.write(presence.beat, sightings)
