@@ -465,6 +465,12 @@ class Runner(threading.Thread):
             )
 
     def run(self) -> None:
+        # SIGTERM and SIGINT go to the main thread, whose handler ends notify: delivered
+        # to this thread (the kernel picks any thread not blocking them), they left the
+        # main thread asleep in its watch until the daemon's next push, and notify did not
+        # stop (a flaky test; systemd would wait out TimeoutStopSec). Commands get them
+        # unblocked again (``_unblock_stop_signals``).
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         while True:
             notice = self.jobs.get()
             if notice is None or self._stopping.is_set():
@@ -497,6 +503,7 @@ class Runner(threading.Thread):
                 stdin=subprocess.PIPE if job.stdin is not None else subprocess.DEVNULL,
                 env={**os.environ, **job.env},
                 start_new_session=True,  # its own process group: a timeout kills all of it
+                preexec_fn=_unblock_stop_signals,  # noqa: PLW1509 - one system call, no locks
             )
         except OSError as exc:
             return f"could not be started: {exc.strerror or exc}"
@@ -531,6 +538,15 @@ class Runner(threading.Thread):
         if proc is not None and proc.poll() is None:
             kill_group(proc)
         self.join(KILL_GRACE)
+
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def _unblock_stop_signals() -> None:
+    """In a command's process, before it runs: the signal mask the runner thread set is
+    not the command's."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:

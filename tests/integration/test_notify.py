@@ -491,3 +491,30 @@ def test_the_notify_unit_verifies_cleanly(short_tmp):
     )  # fmt: skip
     assert verify.returncode == 0, verify.stderr
     assert verify.stderr.strip() == ""
+
+
+def test_the_runner_thread_leaves_stop_signals_to_the_main_thread_not_to_commands(short_tmp):
+    """SIGTERM delivered to the command runner's thread left notify's main thread asleep
+    in its watch until the daemon's next push: notify did not stop (a flaky test). The
+    runner blocks SIGTERM and SIGINT; the commands it starts get them unblocked."""
+    import threading
+
+    from towerd.client.notify import STOP_SIGNALS, Job, Runner
+
+    runner = Runner(lambda notice: Job([], None, {}), timeout=10)
+    seen: dict[str, object] = {}
+    mask_file = short_tmp / "mask"
+
+    def as_the_runner_thread() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # as Runner.run does
+        seen["thread"] = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        argv = ["sh", "-c", f"grep SigBlk /proc/self/status > {mask_file}"]
+        seen["failure"] = runner.execute(Job(argv, None, {}))
+
+    thread = threading.Thread(target=as_the_runner_thread)
+    thread.start()
+    thread.join(30)
+    assert STOP_SIGNALS <= set(seen["thread"])  # type: ignore[arg-type]
+    assert seen["failure"] is None
+    blocked = int(mask_file.read_text().split()[-1], 16)
+    assert not blocked & (1 << (signal.SIGTERM - 1)) and not blocked & (1 << (signal.SIGINT - 1))
