@@ -181,8 +181,15 @@ class TowerdAPI:
             ),
         )
 
-    def idem_complete(self, operation: str, key: str, result: Any = None) -> IdemRecord:
-        return self.call("idem.complete", {"operation": operation, "key": key, "result": result})
+    def idem_complete(
+        self, operation: str, key: str, result: Any = None, *, effect_ref: str | None = None
+    ) -> IdemRecord:
+        """Record the outcome (and, if given, only if the key's claim is the one with this
+        ``effect_ref``: a key claimed again since is refused ``conflict``)."""
+        params = {"operation": operation, "key": key, "result": result}
+        if effect_ref is not None:
+            params["effect_ref"] = effect_ref
+        return self.call("idem.complete", params)
 
     def idem_release(self, operation: str, key: str) -> IdemReleaseResult:
         return self.call("idem.release", {"operation": operation, "key": key})

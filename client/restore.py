@@ -382,7 +382,12 @@ class Restorer:
                 f"the agent exited before its SessionStart, or its window's check of the "
                 f"claim did not start it (tmux {window}; the daemon unreachable from there?)"
             )
-            if now is not None:
+            if now == "completed":  # its window recorded the launch before the agent ran
+                outcome.reason += (
+                    f"; its launch is recorded (to launch it again this boot: towerctl idem "
+                    f"reopen {OPERATION} {key})"
+                )
+            elif now is not None:
                 outcome.reason += f"; its launch is {now}"
             return outcome
         # The result names the window (RUN_MARK): a window whose check of the claim was

@@ -8,7 +8,10 @@ still made the orphan's window afterwards, and the session ran twice. The window
 asks the daemon first (``python -P -m towerd.client.restore_guard SOCKET PRINCIPAL KEY
 REF SESSION -- ARGV``, the run's own socket and principal, "" for none):
 
-* the claim in progress under REF: the run is alive and launching: start;
+* the claim in progress under REF: the run is alive and launching: this window settles
+  it ``completed`` (under REF) before it starts the agent, so a window that stalls
+  between its check and the agent's start is on the record as launched, and a rerun
+  after its run's death finds the launch done instead of making another;
 * completed under REF by its own run (a result naming the window: the run stopped
   waiting for the agent's SessionStart while this check was still starting): start;
 * settled ``outcome_unknown`` under REF (the run died): this window settles it
@@ -54,7 +57,17 @@ def may_start(client: Client, key: str, ref: str) -> str | None:
         return "its claim was released: another restore run launches the session"
     if record["effect_ref"] != ref:
         return "the session was claimed again by another restore run"
-    if record["state"] == "in_progress" or _completed_by_its_run(record):
+    if _completed_by_its_run(record):
+        return None
+    if record["state"] == "in_progress":
+        # Recorded before the agent starts: a window that then stalls (a stopped
+        # process, a swapped-out machine) past a rerun's wait has its launch on the
+        # record, and the rerun, which settles only an unknown claim, finds it done
+        # instead of launching the session beside it.
+        try:
+            client.idem_complete(OPERATION, key, result=SETTLED_BY_WINDOW, effect_ref=ref)
+        except (Conflict, IdempotencyKeyUnknown):
+            return _decided_meanwhile(client, key, ref)
         return None
     if record["state"] != "outcome_unknown":
         return f"its claim is {record['state']}: the session was settled by another run"
@@ -63,6 +76,21 @@ def may_start(client: Client, key: str, ref: str) -> str | None:
     except (Conflict, IdempotencyKeyUnknown):
         return "another restore run settled the dead run's claim first"
     return None
+
+
+def _decided_meanwhile(client: Client, key: str, ref: str) -> str | None:
+    """The claim moved between this window's read and its complete: its own run completed
+    it (start), the run died (the claim turned unknown: decide again) or another run
+    settled or claimed it (do not start)."""
+    try:
+        record = client.idem_get(OPERATION, key)
+    except IdempotencyKeyUnknown:
+        return "its claim was released: another restore run launches the session"
+    if record["effect_ref"] == ref and record["state"] == "outcome_unknown":
+        return may_start(client, key, ref)  # settled with a rerun's decision, first wins
+    if record["effect_ref"] == ref and _completed_by_its_run(record):
+        return None
+    return "another restore run settled or claimed the session first"
 
 
 def _completed_by_its_run(record: Any) -> bool:

@@ -365,6 +365,8 @@ def complete(tx: Tx, caller: Caller, params: IdemCompleteParams) -> IdemRecord:
     principal, operation, key, result = (
         caller.principal, params.operation, params.key, params.result
     )  # fmt: skip
+    if params.effect_ref is not None:
+        _require_claim(_require(tx, principal, operation, key), params.effect_ref)
     # The usual complete, of a key not completed yet: one UPDATE that returns the
     # record as now stored, instead of a SELECT first.
     packed = pack(result)
@@ -415,6 +417,19 @@ def mark_unknown(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemRecord:
     return row.record
 
 
+def _require_claim(row: _Row, effect_ref: str) -> None:
+    """Refuse a decision about a claim the key no longer holds: claimed again since the
+    caller read it (a new claim has a new effect_ref)."""
+    if effect_ref != row.record.effect_ref:
+        raise _refused(
+            row.record.operation,
+            row.record.key,
+            "was claimed again since the claim given was read (another effect_ref); read "
+            "it again (idem.get) and settle the claim you mean",
+            effect_ref=row.record.effect_ref,
+        )
+
+
 def resolve(tx: Tx, caller: Caller, params: IdemResolveParams) -> IdemResolveResult:
     """The operator's decision about an ``outcome_unknown`` key, written to the operator log."""
     principal, operation, key = caller.principal, params.operation, params.key
@@ -428,14 +443,8 @@ def resolve(tx: Tx, caller: Caller, params: IdemResolveParams) -> IdemResolveRes
             "unknown first if its holder is stuck)",
             state=row.record.state,
         )
-    if params.effect_ref is not None and params.effect_ref != row.record.effect_ref:
-        raise _refused(
-            operation,
-            key,
-            "was claimed again since the claim given was read (another effect_ref); read "
-            "it again (idem.get) and resolve the claim you mean",
-            effect_ref=row.record.effect_ref,
-        )
+    if params.effect_ref is not None:
+        _require_claim(row, params.effect_ref)
     record: IdemRecord | None = None
     if outcome == COMPLETED:
         record = _set_state(tx, principal, row, COMPLETED, result)

@@ -65,6 +65,10 @@ class IdemClaimResult(Struct, omit_defaults=True):
 
 class IdemCompleteParams(IdemKeyParams):
     result: Any = None
+    # The claim's effect_ref as read: a key claimed again since (a new claim has a new
+    # one) is not completed, so the outcome of one claim never lands on another. None:
+    # not checked.
+    effect_ref: EffectRef | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -34,6 +34,8 @@ argv = sys.argv[1:]
 with open(os.environ["FAKE_AGENT_LOG"], "a") as log:
     log.write(json.dumps({{"argv": argv, "pid": os.getpid(), "cwd": os.getcwd(),
                           "session": os.environ.get("TOWERD_SESSION_ID")}}) + "\\n")
+if os.path.exists(os.environ.get("FAKE_AGENT_EXIT_IF", "/nonexistent")):
+    sys.exit(1)  # an agent that dies before its SessionStart
 gate = os.environ.get("FAKE_AGENT_GATE")
 while gate and not os.path.exists(gate):
     time.sleep(0.05)
@@ -493,20 +495,25 @@ def test_a_window_slower_than_the_run_s_timeout_still_starts_its_agent_once(
 
 
 def test_a_window_starts_only_for_its_own_claim(fleet: Fleet):
-    """The window's check, on each state its claim may be in: in progress or completed
-    by its own run (the result names a window): start; completed from evidence, another
-    claim, released: do not."""
+    """The window's check, on each state its claim may be in: in progress (it records the
+    launch first) or completed by its own run (the result names a window): start;
+    completed from evidence, another claim, released: do not."""
     from towerd.client import Client
-    from towerd.client.restore_guard import OPERATION, RUN_MARK, may_start
+    from towerd.client.restore_guard import OPERATION, RUN_MARK, SETTLED_BY_WINDOW, may_start
 
     with Client(fleet.daemon.socket_path) as client:
         claim = client.idem_claim(OPERATION, "boot:s", payload={"n": 1})
         ref = client.idem_get(OPERATION, "boot:s")["effect_ref"]
         assert claim["state"] == "claimed"
-        assert may_start(client, "boot:s", ref) is None
         assert "claimed again" in (may_start(client, "boot:s", "another-ref") or "")
-        client.idem_complete(OPERATION, "boot:s", result={RUN_MARK: "@1", "window": "w"})
-        assert may_start(client, "boot:s", ref) is None  # its run completed it
+        assert client.idem_get(OPERATION, "boot:s")["state"] == "in_progress"
+        assert may_start(client, "boot:s", ref) is None
+        record = client.idem_get(OPERATION, "boot:s")
+        assert (record["state"], record["result"]) == ("completed", SETTLED_BY_WINDOW)
+        client.idem_claim(OPERATION, "boot:m", payload={"n": 0})
+        run_ref = client.idem_get(OPERATION, "boot:m")["effect_ref"]
+        client.idem_complete(OPERATION, "boot:m", result={RUN_MARK: "@1", "window": "w"})
+        assert may_start(client, "boot:m", run_ref) is None  # its run completed it
         client.idem_claim(OPERATION, "boot:e", payload={"n": 2})
         evidence_ref = client.idem_get(OPERATION, "boot:e")["effect_ref"]
         client.idem_complete(OPERATION, "boot:e", result={"settled": "evidence"})
@@ -515,6 +522,99 @@ def test_a_window_starts_only_for_its_own_claim(fleet: Fleet):
         released_ref = client.idem_get(OPERATION, "boot:r")["effect_ref"]
         client.idem_release(OPERATION, "boot:r")
         assert "released" in (may_start(client, "boot:r", released_ref) or "")
+
+
+def test_an_agent_that_dies_before_its_session_start_is_relaunched_only_when_reopened(
+    fleet: Fleet, tmp_path: Path
+):
+    """Its window recorded the launch before the agent ran, so the run cannot release the
+    claim for a retry: it fails saying how to launch again, a rerun starts nothing, and
+    after `towerctl idem reopen` the next run starts the session."""
+    from towerd.client.restore import OPERATION, boot_id
+
+    (session,) = fleet.dead_sessions(count=1)
+    dies = tmp_path / "agent-dies"
+    dies.touch()
+    fleet.env["FAKE_AGENT_EXIT_IF"] = str(dies)
+    key = f"{boot_id()}:{session}"
+    code, report = fleet.restored("--session", session, "--timeout", "5")
+    (outcome,) = report["sessions"]
+    assert code != 0 and outcome["result"] == "failed", report
+    assert f"towerctl idem reopen {OPERATION} {key}" in outcome["reason"], report
+    code, report = fleet.restored("--session", session, "--timeout", "1")
+    assert code != 0 and "launched earlier this boot" in report["sessions"][0]["reason"], report
+    assert started(fleet) == {session: 1}
+    dies.unlink()
+    reopened = subprocess.run([TOWERCTL, "idem", "reopen", OPERATION, key], env=fleet.env,
+                              capture_output=True, text=True)  # fmt: skip
+    assert reopened.returncode == 0, reopened
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "started", report
+    assert started(fleet) == {session: 2}
+
+
+STALL_BEFORE_EXEC = """\
+# sitecustomize for the test's tmux windows: the first window's check of its claim,
+# once decided, stalls before it starts its agent (a stopped process), until a gate.
+import os, sys, time
+
+_execv = os.execv
+
+
+def execv(path, args):
+    if sys.argv and sys.argv[0].endswith("restore_guard.py"):
+        try:
+            token = os.environ["STALL_GUARD_TOKEN"]
+            os.close(os.open(token, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except (KeyError, FileExistsError):
+            pass
+        else:
+            open(os.environ["STALL_GUARD_MARK"], "w").close()
+            while not os.path.exists(os.environ["STALL_GUARD_GATE"]):
+                time.sleep(0.05)
+    return _execv(path, args)
+
+
+os.execv = execv
+"""
+
+
+def test_a_window_stalled_after_deciding_to_start_is_not_launched_beside(
+    fleet: Fleet, tmp_path: Path
+):
+    """A window whose check found its run's claim in progress, then stalled before it
+    started the agent, past everything a rerun waits for (its run was killed meanwhile):
+    the rerun settled the dead claim abandoned and launched the session, and the stalled
+    window then started it a second time. The window now records the launch (completes
+    the claim, under its ref) before it starts the agent: the rerun finds it launched."""
+    from towerd.client.restore import OPERATION, boot_id
+
+    (session,) = fleet.dead_sessions(count=1)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STALL_BEFORE_EXEC)
+    gate, decided = tmp_path / "guard-gate", tmp_path / "guard-decided"
+    fleet.env.update(PYTHONPATH=str(site), STALL_GUARD_TOKEN=str(tmp_path / "guard-token"),
+                     STALL_GUARD_MARK=str(decided), STALL_GUARD_GATE=str(gate))  # fmt: skip
+    fleet.cleanups.append(gate.touch)  # a failed test leaves no window waiting
+    run = fleet.restore("--session", session)
+    wait_for(decided.exists, timeout=30, what="the window's check decided to start")
+    run.send_signal(signal.SIGKILL)
+    run.communicate(timeout=30)
+    key = f"{boot_id()}:{session}"
+    with fleet.daemon.client() as client:
+        wait_for(lambda: client.idem_get(OPERATION, key)["state"] != "in_progress",
+                 what="the killed run's claim settled or unknown")  # fmt: skip
+    _code, report = fleet.restored("--session", session, "--timeout", "2")
+    assert report["sessions"][0]["result"] != "started", report
+    assert fleet.launches() == []
+    gate.touch()  # the stalled window goes on
+    with fleet.daemon.client() as client:
+        wait_for(lambda: client.fleet_get(session)["live"] is True, timeout=20,
+                 what="the stalled window's agent")  # fmt: skip
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "already_live", report
+    assert started(fleet) == {session: 1}
 
 
 def test_a_session_whose_cwd_has_a_module_named_like_python_s_own_starts(fleet: Fleet):

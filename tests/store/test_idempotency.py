@@ -64,8 +64,10 @@ async def claim(
     return await store.write(idem.claim, caller(principal, holder), claim_params(key, **fields))
 
 
-async def complete(store: Store, key: str, result: Any, principal: str = ME) -> IdemRecord:
-    params = IdemCompleteParams(operation=OP, key=key, result=result)
+async def complete(
+    store: Store, key: str, result: Any, principal: str = ME, effect_ref: str | None = None
+) -> IdemRecord:
+    params = IdemCompleteParams(operation=OP, key=key, result=result, effect_ref=effect_ref)
     return await store.write(idem.complete, caller(principal), params)
 
 
@@ -528,6 +530,31 @@ async def test_resolve_with_an_effect_ref_settles_only_that_claim(short_tmp: Pat
             assert caught.value.data["effect_ref"] == new.effect_ref
         assert await get(store, "k1") == before
         assert (await resolve(store, "k1", "abandoned", None, new.effect_ref)).outcome
+
+
+async def test_complete_with_an_effect_ref_completes_only_that_claim(short_tmp: Path) -> None:
+    """A restore window records its launch under the claim it checked: a key abandoned
+    and claimed again meanwhile (another run's launch) is refused, unchanged, whatever
+    its state; the claim given is completed from in_progress or outcome_unknown."""
+    async with opened(short_tmp) as store:
+        old = await claim(store)
+        await mark_unknown(store, "k1")
+        await resolve(store, "k1", "abandoned", None, effect_ref=old.effect_ref)
+        new = await claim(store, attempt="second")
+        for step in ("in_progress", "outcome_unknown"):
+            before = await get(store, "k1")
+            assert before.state == step
+            with pytest.raises(Conflict) as caught:
+                await complete(store, "k1", "window", effect_ref=old.effect_ref)
+            assert caught.value.data["effect_ref"] == new.effect_ref
+            assert await get(store, "k1") == before
+            if step == "in_progress":
+                await mark_unknown(store, "k1")
+        done = await complete(store, "k1", "window", effect_ref=new.effect_ref)
+        assert (done.state, done.result, done.effect_ref) == ("completed", "window", new.effect_ref)
+        with pytest.raises(IdempotencyKeyUnknown):
+            await complete(store, "missing", 1, effect_ref=new.effect_ref)
+        assert (await complete(store, "k1", "window", effect_ref=new.effect_ref)) == done
 
 
 @pytest.mark.parametrize("state", ["in_progress", "completed"])
