@@ -36,7 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from towerd.client.restore_guard import GUARD_ENV, OPERATION, RUN_MARK
+from towerd.client.restore_guard import DECIDE_S, GUARD_ENV, OPERATION, RUN_MARK
+from towerd.protocol import fields
 from towerd.protocol.errors import (
     Conflict,
     IdempotencyInProgress,
@@ -49,7 +50,9 @@ DEFAULT_TMUX_SESSION = "towerd"
 DEFAULT_TIMEOUT = 60.0  # seconds a launch may take to report its SessionStart
 POLL = 0.2  # seconds between looks at the daemon while waiting
 TMUX_CALL_TIMEOUT = 30.0  # seconds one tmux command may take (a launch's new-window)
-GUARD_WAIT_S = 60.0  # seconds a rerun waits at most for a window still checking its claim
+# A rerun waits at most this long for a window still checking its claim: the window asks
+# for DECIDE_S, and its last call may take a call timeout more.
+GUARD_WAIT_S = DECIDE_S + 2 * fields.CALL_TIMEOUT_S
 
 # Per agent kind: the command that resumes a session, then the arguments added when
 # the session has a model or an effort. ``{agent_session_id}``, ``{model}``,
@@ -417,7 +420,7 @@ class Restorer:
             if result is None:
                 self.client.idem_release(OPERATION, key)
             else:
-                self.client.idem_complete(OPERATION, key, result=result)
+                self.client.idem_complete(OPERATION, key, result=result, effect_ref=ref)
             return None
         except (Conflict, IdempotencyKeyUnknown):
             try:

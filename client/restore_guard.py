@@ -19,8 +19,11 @@ REF SESSION -- ARGV``, the run's own socket and principal, "" for none):
   ``abandoned``: the first wins;
 * anything else (released, claimed again, completed from evidence): another launch is
   the session's, and this window exits without starting the agent;
-* no daemon answering: it does not start the agent either (the run, if alive, sees
-  the window gone and releases the claim for a retry).
+* no daemon answering for DECIDE_S (asked again on each lost answer: the same write
+  sent twice is applied once): it does not start the agent either (the run, if
+  alive, sees the window gone and releases the claim for a retry);
+* the agent cannot be executed after all: the window forgets the launch it recorded
+  (``idem.reopen`` under REF), so a rerun starts the mended agent.
 
 ``TOWERD_SESSION_ID`` is set here, just before the agent is executed: the window's own
 process carries none (the window blanks one the tmux server may have inherited), so a
@@ -46,18 +49,22 @@ RUN_MARK = "window_id"  # in the result of a launch its run completed (client/re
 SETTLED_BY_WINDOW = {"settled": "window"}  # the result of a launch a window settled
 REFUSED = 3  # exit status of a window that did not start its agent
 CALL_TIMEOUT_S = fields.CALL_TIMEOUT_S  # each call to the daemon
-LOST_ANSWER_S = 5.0  # how long a lost answer to this window's own resolve is looked for
+# How long a window asks the daemon before it gives up without starting its agent, and
+# so how long a rerun waits at most for a window still deciding (client/restore.py).
+DECIDE_S = 60.0
 
 
 def may_start(client: Client, key: str, ref: str) -> str | None:
-    """None if this window is the launch of the claim ``ref``; else why not."""
+    """None if this window is the launch of the claim ``ref``; else why not. Asked again
+    after a lost answer, it finds its own decision (``_decided_by_this_window``) or makes
+    it again: a write sent twice is applied once, in order, behind the first."""
     try:
         record = client.idem_get(OPERATION, key)
     except IdempotencyKeyUnknown:
         return "its claim was released: another restore run launches the session"
     if record["effect_ref"] != ref:
         return "the session was claimed again by another restore run"
-    if _completed_by_its_run(record):
+    if _completed_by_its_run(record) or _decided_by_this_window(record):
         return None
     if record["state"] == "in_progress":
         # Recorded before the agent starts: a window that then stalls (a stopped
@@ -74,23 +81,26 @@ def may_start(client: Client, key: str, ref: str) -> str | None:
     try:
         client.idem_resolve(OPERATION, key, "completed", result=SETTLED_BY_WINDOW, effect_ref=ref)
     except (Conflict, IdempotencyKeyUnknown):
-        return "another restore run settled the dead run's claim first"
+        return _decided_meanwhile(client, key, ref)
     return None
 
 
 def _decided_meanwhile(client: Client, key: str, ref: str) -> str | None:
-    """The claim moved between this window's read and its complete: its own run completed
-    it (start), the run died (the claim turned unknown: decide again) or another run
-    settled or claimed it (do not start)."""
+    """The claim moved between this window's read and its write: its own run completed
+    it, or this window's own earlier write (its answer lost) was applied first (start);
+    the run died (the claim turned unknown: decide again) or another run settled or
+    claimed it (do not start)."""
     try:
         record = client.idem_get(OPERATION, key)
     except IdempotencyKeyUnknown:
         return "its claim was released: another restore run launches the session"
-    if record["effect_ref"] == ref and record["state"] == "outcome_unknown":
-        return may_start(client, key, ref)  # settled with a rerun's decision, first wins
-    if record["effect_ref"] == ref and _completed_by_its_run(record):
+    if record["effect_ref"] != ref:
+        return "another restore run settled the dead run's claim and claimed the session first"
+    if _completed_by_its_run(record) or _decided_by_this_window(record):
         return None
-    return "another restore run settled or claimed the session first"
+    if record["state"] == "outcome_unknown":
+        return may_start(client, key, ref)  # settled with a rerun's decision, first wins
+    return "another restore run settled the session first"
 
 
 def _completed_by_its_run(record: Any) -> bool:
@@ -98,25 +108,47 @@ def _completed_by_its_run(record: Any) -> bool:
     return record["state"] == "completed" and isinstance(result, dict) and RUN_MARK in result
 
 
-def _settled_by_this_window(socket_path: str, principal: str, key: str, ref: str) -> bool:
-    """After an answer lost to its own resolve: whether it was applied (read again, on a
-    new connection, for up to LOST_ANSWER_S). Not known: not started."""
-    deadline = time.monotonic() + LOST_ANSWER_S
+def _decided_by_this_window(record: Any) -> bool:
+    """Settled by this window (only the window of a claim settles it with this result
+    under its effect_ref, which the caller compared)."""
+    return record["state"] == "completed" and record.get("result") == SETTLED_BY_WINDOW
+
+
+def decide(socket_path: str, principal: str, key: str, ref: str) -> str | None:
+    """``may_start`` until the daemon answers it, on a new connection each time, for up
+    to DECIDE_S. A lost answer to this window's write leaves it applied or still queued
+    behind the daemon's writer: asked again, the window finds it or sends it again, and
+    the answer to that is final. Exiting on the first lost answer after reading the claim
+    once (as it did) left a write applied later with no agent started: a launch on the
+    record that nothing launched."""
+    deadline = time.monotonic() + DECIDE_S
     while True:
         try:
             with _client(socket_path, principal) as client:
-                record = client.idem_get(OPERATION, key)
-            return (
-                record["effect_ref"] == ref
-                and record["state"] == "completed"
-                and record.get("result") == SETTLED_BY_WINDOW
-            )
-        except IdempotencyKeyUnknown:
-            return False
-        except (OSError, TowerdError):
+                return may_start(client, key, ref)
+        except (OSError, TowerdError) as exc:
             if time.monotonic() >= deadline:
-                return False
+                return f"the daemon did not answer for {DECIDE_S:g} s ({exc})"
             time.sleep(0.2)
+
+
+def undo_own_launch(socket_path: str, principal: str, key: str, ref: str) -> str:
+    """The agent could not be executed after the launch was recorded: forget the launch
+    (``idem.reopen`` of the outcome as read, under this claim), so that a rerun, once
+    the agent is mended, starts it. Says what became of the launch."""
+    try:
+        with _client(socket_path, principal) as client:
+            record = client.idem_get(OPERATION, key)
+            if record["effect_ref"] != ref or record["state"] != "completed":
+                return "its launch was settled elsewhere"
+            client.idem_reopen(OPERATION, key, record.get("result"), effect_ref=ref,
+                               reason="fleet restore: the agent could not be executed")  # fmt: skip
+    except (OSError, TowerdError) as exc:
+        return (
+            f"its launch stays recorded ({exc}); to launch it again this boot: towerctl idem "
+            f"reopen {OPERATION} {key}"
+        )
+    return "its launch was forgotten: towerctl fleet restore again launches it"
 
 
 def _client(socket_path: str, principal: str) -> Client:
@@ -140,12 +172,7 @@ def main(argv: list[str]) -> int:
         print(f"towerd: not starting session {session_id}: {command[0]} cannot be run",
               file=sys.stderr)  # fmt: skip
         return REFUSED
-    try:
-        with _client(socket_path, principal) as client:
-            why = may_start(client, key, ref)
-    except (OSError, TowerdError) as exc:  # perhaps after its resolve was applied
-        settled = _settled_by_this_window(socket_path, principal, key, ref)
-        why = None if settled else f"the daemon did not answer ({exc})"
+    why = decide(socket_path, principal, key, ref)
     if why is not None:
         print(f"towerd: not starting session {session_id}: {why}", file=sys.stderr)
         return REFUSED
@@ -153,8 +180,9 @@ def main(argv: list[str]) -> int:
     os.environ["TOWERD_SESSION_ID"] = session_id
     try:
         os.execv(command[0], command)
-    except OSError as exc:  # after the claim was settled: say so, as a shell would
-        print(f"towerd: cannot start {command[0]}: {exc.strerror or exc}", file=sys.stderr)
+    except OSError as exc:  # after the launch was recorded: nothing started, undo it
+        print(f"towerd: cannot start {command[0]}: {exc.strerror or exc}; "
+              f"{undo_own_launch(socket_path, principal, key, ref)}", file=sys.stderr)  # fmt: skip
     return 127
 
 

@@ -617,6 +617,114 @@ def test_a_window_stalled_after_deciding_to_start_is_not_launched_beside(
     assert started(fleet) == {session: 1}
 
 
+STALL_BEFORE_COMPLETE = """\
+# sitecustomize for the test's tmux windows: a window's check writes each call it makes,
+# and each that failed, to a log, and holds its first idem.complete until a gate.
+import os, sys, time
+
+from towerd.client.sync import Client
+
+_call = Client.call
+
+
+def call(self, method, params=None):
+    if sys.argv and sys.argv[0].endswith("restore_guard.py"):
+        with open(os.environ["GUARD_CALLS"], "a") as log:
+            log.write(method + "\\n")
+        if method == "idem.complete" and not os.path.exists(os.environ["COMPLETE_GATE"]):
+            open(os.environ["COMPLETE_MARK"], "w").close()
+            while not os.path.exists(os.environ["COMPLETE_GATE"]):
+                time.sleep(0.05)
+    try:
+        return _call(self, method, params)
+    except Exception as exc:
+        with open(os.environ["GUARD_CALLS"], "a") as log:
+            log.write(method + ":" + type(exc).__name__ + "\\n")
+        raise
+
+
+_connect = Client.connect
+
+
+def connect(self):
+    try:
+        return _connect(self)
+    except Exception as exc:
+        if sys.argv and sys.argv[0].endswith("restore_guard.py"):
+            with open(os.environ["GUARD_CALLS"], "a") as log:
+                log.write("connect:" + type(exc).__name__ + "\\n")
+        raise
+
+
+Client.call = call
+Client.connect = connect
+"""
+
+
+def test_a_window_whose_launch_record_is_answered_late_still_starts_its_agent(
+    fleet: Fleet, tmp_path: Path
+):
+    """The window's write of its launch lost its answer (the daemon stalled) and was
+    applied later: the window, having read the claim once and found it unchanged, exited
+    without starting the agent, and the launch stayed on the record with nothing
+    launched (a hostile tester's reproducer). The window now asks again until the daemon
+    answers: it finds its own write, and starts the agent, once."""
+    from towerd.client.restore import OPERATION, boot_id
+
+    (session,) = fleet.dead_sessions(count=1)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STALL_BEFORE_COMPLETE)
+    calls, mark, gate = tmp_path / "guard-calls", tmp_path / "mark", tmp_path / "gate"
+    fleet.env.update(PYTHONPATH=str(site), GUARD_CALLS=str(calls), COMPLETE_MARK=str(mark),
+                     COMPLETE_GATE=str(gate))  # fmt: skip
+    daemon_pid = fleet.daemon.proc.pid
+    fleet.cleanups.extend([gate.touch, lambda: os.kill(daemon_pid, signal.SIGCONT)])
+    run = fleet.restore("--session", session)
+    wait_for(mark.exists, timeout=30, what="the window about to record its launch")
+    run.send_signal(signal.SIGKILL)  # its run gone: nothing else settles the claim
+    run.communicate(timeout=30)
+    key = f"{boot_id()}:{session}"
+    with fleet.daemon.client() as client:
+        wait_for(lambda: client.idem_get(OPERATION, key)["state"] == "outcome_unknown",
+                 what="the killed run's claim unknown")  # fmt: skip
+    os.kill(daemon_pid, signal.SIGSTOP)
+    gate.touch()  # the window's write goes to a daemon that does not answer
+    # Its write unanswered, then a new connection unanswered too: the daemon stays
+    # stalled past the window's first look after the lost answer.
+    wait_for(lambda: "idem.complete:Unavailable" in calls.read_text().split(), timeout=60,
+             what="the window's write without an answer")  # fmt: skip
+    wait_for(lambda: any(line.startswith("connect:") for line in calls.read_text().split()),
+             timeout=60, what="the window's next connection without an answer")  # fmt: skip
+    os.kill(daemon_pid, signal.SIGCONT)
+    with fleet.daemon.client() as client:
+        wait_for(lambda: client.fleet_get(session)["live"] is True, timeout=60,
+                 what="the window's agent")  # fmt: skip
+        record = client.idem_get(OPERATION, key)
+    assert (record["state"], record["result"]) == ("completed", {"settled": "window"})
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "already_live", report
+    assert started(fleet) == {session: 1}
+
+
+def test_an_agent_that_cannot_be_executed_is_launched_once_mended(fleet: Fleet):
+    """Its file is executable but exec fails (its #! interpreter is gone): the window had
+    recorded the launch, and a rerun, once the agent was mended, said it was launched
+    earlier (a hostile tester's reproducer). The window forgets its launch when exec
+    fails, so the rerun starts the session."""
+    (session,) = fleet.dead_sessions(count=1)
+    claude = fleet.bin / "claude"
+    good = claude.read_text()
+    claude.write_text("#!/nonexistent/python\n" + good.split("\n", 1)[1])
+    code, report = fleet.restored("--session", session, "--timeout", "3")
+    assert code != 0 and report["sessions"][0]["result"] == "failed", report
+    assert fleet.launches() == []
+    claude.write_text(good)
+    code, report = fleet.restored("--session", session, "--timeout", "10")
+    assert code == 0 and report["sessions"][0]["result"] == "started", report
+    assert started(fleet) == {session: 1}
+
+
 def test_a_session_whose_cwd_has_a_module_named_like_python_s_own_starts(fleet: Fleet):
     """The window starts in the session's cwd; the check ran `python -m` there, and a
     project's `select.py` stood in for Python's: it crashed, and the session never came
