@@ -191,8 +191,14 @@ class TowerdAPI:
             params["effect_ref"] = effect_ref
         return self.call("idem.complete", params)
 
-    def idem_release(self, operation: str, key: str) -> IdemReleaseResult:
-        return self.call("idem.release", {"operation": operation, "key": key})
+    def idem_release(
+        self, operation: str, key: str, *, effect_ref: str | None = None
+    ) -> IdemReleaseResult:
+        """Drop a key whose effect never started (and, if given, only if its claim is the
+        one with this ``effect_ref``)."""
+        return self.call(
+            "idem.release", _given(operation=operation, key=key, effect_ref=effect_ref)
+        )
 
     def idem_mark_unknown(self, operation: str, key: str) -> IdemRecord:
         return self.call("idem.mark_unknown", {"operation": operation, "key": key})

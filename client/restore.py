@@ -418,11 +418,11 @@ class Restorer:
         dead, an operator's mark-unknown), or another run, after that, something else."""
         try:
             if result is None:
-                self.client.idem_release(OPERATION, key)
+                self.client.idem_release(OPERATION, key, effect_ref=ref)
             else:
                 self.client.idem_complete(OPERATION, key, result=result, effect_ref=ref)
             return None
-        except (Conflict, IdempotencyKeyUnknown):
+        except (Conflict, IdempotencyKeyUnknown, OutcomeUnknown):
             try:
                 record = self.client.idem_get(OPERATION, key)
             except IdempotencyKeyUnknown:

@@ -66,7 +66,7 @@ METHODS: dict[str, MethodSpec] = {
     "idem.claim": MethodSpec(IdemClaimParams, IdemClaimResult, True, "claim a key"),
     "idem.complete": MethodSpec(IdemCompleteParams, IdemRecord, True, "record the outcome"),
     "idem.release": MethodSpec(
-        IdemKeyParams, IdemReleaseResult, True, "drop a key whose effect never started"
+        IdemReleaseParams, IdemReleaseResult, True, "drop a key whose effect never started"
     ),
     "idem.mark_unknown": MethodSpec(IdemKeyParams, IdemRecord, True, "declare the outcome unknown"),
     "idem.get": MethodSpec(IdemKeyParams, IdemRecord, False, "one key"),

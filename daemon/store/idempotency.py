@@ -48,6 +48,7 @@ from towerd.protocol.methods import (
     IdemListParams,
     IdemListResult,
     IdemRecord,
+    IdemReleaseParams,
     IdemReleaseResult,
     IdemReopenParams,
     IdemReopenResult,
@@ -386,10 +387,12 @@ _COMPLETE = f"""UPDATE idempotency SET state = 'completed', result = ?, updated_
     RETURNING {_RECORD_COLUMNS}"""
 
 
-def release(tx: Tx, caller: Caller, params: IdemKeyParams) -> IdemReleaseResult:
+def release(tx: Tx, caller: Caller, params: IdemReleaseParams) -> IdemReleaseResult:
     """Drop a key whose effect never started, so a retry runs fresh. Only ``in_progress``."""
     principal, operation, key = caller.principal, params.operation, params.key
     row = _require(tx, principal, operation, key)
+    if params.effect_ref is not None:
+        _require_claim(row, params.effect_ref)
     if row.record.state == COMPLETED:
         raise _refused(operation, key, "is completed; a completed key is never released")
     if row.record.state == OUTCOME_UNKNOWN:

@@ -75,6 +75,12 @@ class IdemCompleteParams(IdemKeyParams):
         _require_shallow("result", self.result)
 
 
+class IdemReleaseParams(IdemKeyParams):
+    # The claim's effect_ref as read: a key claimed again since is not released, so a
+    # run that gives up on its own launch never drops another's. None: not checked.
+    effect_ref: EffectRef | None = None
+
+
 class IdemReleaseResult(Struct):
     operation: str
     key: str

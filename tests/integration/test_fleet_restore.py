@@ -780,6 +780,38 @@ def test_a_live_run_whose_claim_turned_unknown_goes_on_with_its_plan(fleet: Flee
     assert started(fleet) == {parent: 1, child: 1}
 
 
+def test_a_live_run_whose_unknown_claim_it_cannot_release_goes_on_with_its_plan(
+    fleet: Fleet, tmp_path: Path
+):
+    """The live run's claim turned outcome_unknown and its window did not start the agent
+    (the agent's file no longer executable): the run's release of its claim was refused
+    `outcome_unknown`, uncaught, and the run crashed before the rest of its plan (a
+    hostile tester's finding). It now reports the launch's state and goes on."""
+    from towerd.client import IdempotencyKeyUnknown
+    from towerd.client.restore import OPERATION, boot_id
+
+    first, second = fleet.dead_sessions(count=2)
+    slow_window_shell(fleet, tmp_path, 2)
+    run = fleet.restore("--timeout", "3")
+    key = f"{boot_id()}:{first}"
+    with fleet.daemon.client() as client:
+
+        def claimed() -> bool:
+            try:
+                return client.idem_get(OPERATION, key)["state"] == "in_progress"
+            except IdempotencyKeyUnknown:
+                return False
+
+        wait_for(claimed, timeout=20, what="the run's claim")
+        client.idem_mark_unknown(OPERATION, key)
+        (fleet.bin / "claude").chmod(0o644)  # before the window's slow shell runs its check
+    out, err = run.communicate(timeout=120)
+    reasons = {entry["session_id"]: entry["reason"] for entry in json.loads(out)["sessions"]}
+    assert "its launch is outcome_unknown" in reasons[first], (out, err)
+    assert set(reasons) == {first, second}
+    assert fleet.launches() == []
+
+
 def test_a_row_that_cannot_be_resumed_fails_the_run_only_when_named(fleet: Fleet):
     """A row registered by hand without an agent session id (the README's own `session
     register` example) made every whole-plan restore exit 1 although everything that

@@ -32,6 +32,7 @@ from towerd.protocol.methods import (
     IdemListParams,
     IdemListResult,
     IdemRecord,
+    IdemReleaseParams,
     IdemReleaseResult,
     IdemReopenParams,
     IdemReopenResult,
@@ -75,8 +76,11 @@ async def mark_unknown(store: Store, key: str, principal: str = ME) -> IdemRecor
     return await store.write(idem.mark_unknown, caller(principal), IdemKeyParams(OP, key))
 
 
-async def release(store: Store, key: str, principal: str = ME) -> IdemReleaseResult:
-    return await store.write(idem.release, caller(principal), IdemKeyParams(OP, key))
+async def release(
+    store: Store, key: str, principal: str = ME, effect_ref: str | None = None
+) -> IdemReleaseResult:
+    params = IdemReleaseParams(OP, key, effect_ref=effect_ref)
+    return await store.write(idem.release, caller(principal), params)
 
 
 async def resolve(
@@ -555,6 +559,24 @@ async def test_complete_with_an_effect_ref_completes_only_that_claim(short_tmp: 
         with pytest.raises(IdempotencyKeyUnknown):
             await complete(store, "missing", 1, effect_ref=new.effect_ref)
         assert (await complete(store, "k1", "window", effect_ref=new.effect_ref)) == done
+
+
+async def test_release_with_an_effect_ref_releases_only_that_claim(short_tmp: Path) -> None:
+    """A restore run giving up on its own launch, whose claim another run abandoned and
+    claimed again meanwhile: that claim is refused, unchanged; its own is released."""
+    async with opened(short_tmp) as store:
+        old = await claim(store)
+        await mark_unknown(store, "k1")
+        await resolve(store, "k1", "abandoned", None, effect_ref=old.effect_ref)
+        new = await claim(store, attempt="second")
+        before = await get(store, "k1")
+        with pytest.raises(Conflict) as caught:
+            await release(store, "k1", effect_ref=old.effect_ref)
+        assert caught.value.data["effect_ref"] == new.effect_ref
+        assert await get(store, "k1") == before
+        assert (await release(store, "k1", effect_ref=new.effect_ref)).released
+        with pytest.raises(IdempotencyKeyUnknown):
+            await get(store, "k1")
 
 
 @pytest.mark.parametrize("state", ["in_progress", "completed"])
