@@ -204,6 +204,10 @@ def guarded_argv(client: Any, key: str, ref: str, session_id: str, argv: list[st
 
 
 def pane_alive(options: Options, window_id: str) -> bool:
+    """Whether the window's pane still runs; a window whose id is not known (tmux failed
+    after making it) is taken as running: its agent was started."""
+    if not window_id:
+        return True
     done = _tmux(options, "list-panes", "-t", window_id, "-F", "#{pane_dead}")
     return done.returncode == 0 and "0" in done.stdout.split()
 
@@ -360,9 +364,12 @@ class Restorer:
                 guarded_argv(self.client, key, ref, session_id, outcome.argv),
             )
         except (OSError, subprocess.SubprocessError) as exc:
-            self.settle_own(key, ref, None)  # nothing started: a retry may launch
-            outcome.result, outcome.reason = "failed", f"could not launch: {exc}"
-            return outcome
+            if self.settle_own(key, ref, None) != "completed":  # nothing started: retry
+                outcome.result, outcome.reason = "failed", f"could not launch: {exc}"
+                return outcome
+            # tmux failed or timed out after making the window, which recorded the launch
+            # before it started the agent: the launch is this run's, go on with it.
+            window_id = ""
         outcome.window = window
         started = self.wait(
             lambda: self.session_started_since(session_id, record["created_at"]),

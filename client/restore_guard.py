@@ -46,7 +46,15 @@ from towerd.protocol.errors import Conflict, IdempotencyKeyUnknown, TowerdError
 OPERATION = "fleet.restore"  # the idempotency operation of every launch (client/restore.py)
 GUARD_ENV = "TOWERD_RESTORE_GUARD"  # in a window's environment until its agent starts
 RUN_MARK = "window_id"  # in the result of a launch its run completed (client/restore.py)
-SETTLED_BY_WINDOW = {"settled": "window"}  # the result of a launch a window settled
+
+
+def settled_by_window() -> dict[str, str]:
+    """The result of a launch this window settled: it names the window's pane, since one
+    claim may get two windows (tmux failing after it made the first, the run then asks
+    for another), and only the one that settled the claim starts its agent."""
+    return {"settled": "window", "pane": os.environ.get("TMUX_PANE") or f"pid {os.getpid()}"}
+
+
 REFUSED = 3  # exit status of a window that did not start its agent
 CALL_TIMEOUT_S = fields.CALL_TIMEOUT_S  # each call to the daemon
 # How long a window asks the daemon before it gives up without starting its agent, and
@@ -72,14 +80,14 @@ def may_start(client: Client, key: str, ref: str) -> str | None:
         # record, and the rerun, which settles only an unknown claim, finds it done
         # instead of launching the session beside it.
         try:
-            client.idem_complete(OPERATION, key, result=SETTLED_BY_WINDOW, effect_ref=ref)
+            client.idem_complete(OPERATION, key, result=settled_by_window(), effect_ref=ref)
         except (Conflict, IdempotencyKeyUnknown):
             return _decided_meanwhile(client, key, ref)
         return None
     if record["state"] != "outcome_unknown":
         return f"its claim is {record['state']}: the session was settled by another run"
     try:
-        client.idem_resolve(OPERATION, key, "completed", result=SETTLED_BY_WINDOW, effect_ref=ref)
+        client.idem_resolve(OPERATION, key, "completed", result=settled_by_window(), effect_ref=ref)
     except (Conflict, IdempotencyKeyUnknown):
         return _decided_meanwhile(client, key, ref)
     return None
@@ -109,9 +117,9 @@ def _completed_by_its_run(record: Any) -> bool:
 
 
 def _decided_by_this_window(record: Any) -> bool:
-    """Settled by this window (only the window of a claim settles it with this result
-    under its effect_ref, which the caller compared)."""
-    return record["state"] == "completed" and record.get("result") == SETTLED_BY_WINDOW
+    """Settled by this window (its result names this window's pane; the caller compared
+    the claim's effect_ref)."""
+    return record["state"] == "completed" and record.get("result") == settled_by_window()
 
 
 def decide(socket_path: str, principal: str, key: str, ref: str) -> str | None:

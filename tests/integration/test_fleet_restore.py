@@ -408,7 +408,8 @@ def test_a_window_made_after_its_run_died_settles_the_launch_and_a_rerun_finds_i
     assert started(fleet) == {session: 1}
     with fleet.daemon.client() as client:
         record = client.idem_get(orphan.operation, orphan.key)
-    assert (record["state"], record["result"]) == ("completed", {"settled": "window"})
+    assert record["state"] == "completed" and record["result"]["settled"] == "window"
+    assert record["result"]["pane"].startswith("%")  # the window's tmux pane
     code, report = fleet.restored("--session", session)
     assert code == 0 and report["sessions"][0]["result"] == "already_live", report
     assert started(fleet) == {session: 1}
@@ -499,7 +500,7 @@ def test_a_window_starts_only_for_its_own_claim(fleet: Fleet):
     launch first) or completed by its own run (the result names a window): start;
     completed from evidence, another claim, released: do not."""
     from towerd.client import Client
-    from towerd.client.restore_guard import OPERATION, RUN_MARK, SETTLED_BY_WINDOW, may_start
+    from towerd.client.restore_guard import OPERATION, RUN_MARK, may_start, settled_by_window
 
     with Client(fleet.daemon.socket_path) as client:
         claim = client.idem_claim(OPERATION, "boot:s", payload={"n": 1})
@@ -509,7 +510,7 @@ def test_a_window_starts_only_for_its_own_claim(fleet: Fleet):
         assert client.idem_get(OPERATION, "boot:s")["state"] == "in_progress"
         assert may_start(client, "boot:s", ref) is None
         record = client.idem_get(OPERATION, "boot:s")
-        assert (record["state"], record["result"]) == ("completed", SETTLED_BY_WINDOW)
+        assert (record["state"], record["result"]) == ("completed", settled_by_window())
         client.idem_claim(OPERATION, "boot:m", payload={"n": 0})
         run_ref = client.idem_get(OPERATION, "boot:m")["effect_ref"]
         client.idem_complete(OPERATION, "boot:m", result={RUN_MARK: "@1", "window": "w"})
@@ -701,7 +702,8 @@ def test_a_window_whose_launch_record_is_answered_late_still_starts_its_agent(
         wait_for(lambda: client.fleet_get(session)["live"] is True, timeout=60,
                  what="the window's agent")  # fmt: skip
         record = client.idem_get(OPERATION, key)
-    assert (record["state"], record["result"]) == ("completed", {"settled": "window"})
+    assert record["state"] == "completed" and record["result"]["settled"] == "window"
+    assert record["result"]["pane"].startswith("%")  # the window's tmux pane
     code, report = fleet.restored("--session", session)
     assert code == 0 and report["sessions"][0]["result"] == "already_live", report
     assert started(fleet) == {session: 1}
@@ -810,6 +812,48 @@ def test_a_live_run_whose_unknown_claim_it_cannot_release_goes_on_with_its_plan(
     assert "its launch is outcome_unknown" in reasons[first], (out, err)
     assert set(reasons) == {first, second}
     assert fleet.launches() == []
+
+
+FAILING_TMUX = """\
+#!/bin/sh
+# tmux whose window-making calls make the window, wait for the agent to start (in it or
+# in an earlier one), then fail: an error after the window was made
+case " $* " in
+*" new-window "*|*" new-session "*)
+    {tmux} "$@" || exit $?
+    echo made >> "$FAILING_TMUX_CALLS"
+    while [ ! -s "$FAKE_AGENT_LOG" ]; do sleep 0.05; done
+    echo "tmux: lost server" >&2; exit 1;;
+esac
+exec {tmux} "$@"
+"""
+
+
+def test_a_launch_whose_tmux_call_failed_after_making_the_window_is_the_run_s(
+    fleet: Fleet,
+):
+    """tmux failed after making the window, whose check recorded the launch and started
+    the agent: the run reported "could not launch" for a session it had started (a
+    hostile tester's finding). It now goes on with the launch its window recorded."""
+    (session,) = fleet.dead_sessions(count=1)
+    tmux = fleet.bin / "tmux"
+    tmux.write_text(FAILING_TMUX.format(tmux=shutil.which("tmux")))
+    tmux.chmod(0o755)
+    calls = fleet.home / "tmux-windows-made"
+    fleet.env["FAILING_TMUX_CALLS"] = str(calls)
+    code, report = fleet.restored("--session", session)
+    assert code == 0 and report["sessions"][0]["result"] == "started", report
+    # Its new-session failed after making the window, so it asked for a second window
+    # for the same claim: that one's check does not start the agent again, and exits.
+    assert calls.read_text().split() == ["made", "made"]
+
+    def windows() -> list[str]:
+        listed = subprocess.run(["tmux", "-L", fleet.tmux_socket, "list-windows", "-a"],
+                                capture_output=True, text=True)  # fmt: skip
+        return listed.stdout.splitlines()
+
+    wait_for(lambda: len(windows()) == 1, timeout=30, what="the second window gone")
+    assert started(fleet) == {session: 1}
 
 
 def test_a_row_that_cannot_be_resumed_fails_the_run_only_when_named(fleet: Fleet):
