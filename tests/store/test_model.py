@@ -88,6 +88,7 @@ from towerd.protocol.methods import (
     IdemCompleteParams,
     IdemKeyParams,
     IdemListParams,
+    IdemReleaseParams,
     IdemResolveParams,
     SessionIdParams,
     SessionUpdateParams,
@@ -204,6 +205,12 @@ def keyed(key_id: tuple[str, str, str]) -> tuple[Caller, IdemKeyParams]:
     """The (caller, params) of an idem call on ``key_id``: (principal, operation, key)."""
     principal, operation, key = key_id
     return caller(principal), IdemKeyParams(operation=operation, key=key)
+
+
+def released(key_id: tuple[str, str, str]) -> tuple[Caller, IdemReleaseParams]:
+    """The (caller, params) of an idem.release of ``key_id``."""
+    principal, operation, key = key_id
+    return caller(principal), IdemReleaseParams(operation=operation, key=key)
 
 
 def event(label: str) -> None:
@@ -521,14 +528,15 @@ class StoreModel(RuleBasedStateMachine):
         key_id = self.draw_key(data)
         rec = self.keys.get(key_id)
         if rec is None:
-            return self.expect_refusal(self._missing(key_id), daemon, idem.release, *keyed(key_id))
+            missing = self._missing(key_id)
+            return self.expect_refusal(missing, daemon, idem.release, *released(key_id))
         if rec.state == "completed":
             refusal = Refused(Conflict, operation=key_id[1], key=key_id[2])
-            return self.expect_refusal(refusal, daemon, idem.release, *keyed(key_id))
+            return self.expect_refusal(refusal, daemon, idem.release, *released(key_id))
         if rec.state == "outcome_unknown":
             refusal = Refused(OutcomeUnknown, effect_ref=rec.effect_ref)
-            return self.expect_refusal(refusal, daemon, idem.release, *keyed(key_id))
-        answer = self.write(daemon, idem.release, *keyed(key_id))
+            return self.expect_refusal(refusal, daemon, idem.release, *released(key_id))
+        answer = self.write(daemon, idem.release, *released(key_id))
         assert (answer.operation, answer.key, answer.released) == (*key_id[1:], True)
         del self.keys[key_id]
         return None

@@ -58,7 +58,7 @@ from towerd.protocol.methods import (
     EventRecordParams,
     IdemClaimParams,
     IdemCompleteParams,
-    IdemKeyParams,
+    IdemReleaseParams,
     KvKeyParams,
     KvSetParams,
     LeaseAcquireParams,
@@ -382,7 +382,7 @@ async def test_the_counters_stay_exact_through_every_path_that_adds_or_removes_r
                 await fill_each_table(store, principal, n, session, quota_rows)
         assert await store.read(counted) == await store.read(recounted)
 
-        await store.write(call(idempotency.release, A, IdemKeyParams("op", "k0")))
+        await store.write(call(idempotency.release, A, IdemReleaseParams("op", "k0")))
         done = IdemCompleteParams(operation="op", key="k1", result=None)
         await store.write(call(idempotency.complete, B, done))
         await store.write(at(2 * DAY, idempotency.expire_completed), DAY)
