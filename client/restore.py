@@ -173,18 +173,20 @@ def launch_in_tmux(
     options: Options, window: str, cwd: str, session_id: str, guarded: list[str]
 ) -> str:
     """Start ``guarded`` (``guarded_argv``) in a new window of the fleet's tmux session
-    (made if missing); returns the window's id. The window carries no TOWERD_SESSION_ID
+    (made if missing); returns its pane's id. The window carries no TOWERD_SESSION_ID
     (a tmux server started inside an agent session inherited one) until its check sets
     it for the agent, and GUARD_ENV while that check decides."""
     command = "exec " + shlex.join(guarded)
-    common = ["-P", "-F", "#{window_id}", "-n", window, "-c", cwd,
+    common = ["-P", "-F", "#{pane_id}", "-n", window, "-c", cwd,
               "-e", "TOWERD_SESSION_ID=", "-e", f"{GUARD_ENV}={session_id}"]  # fmt: skip
     target = options.tmux_session
     if _tmux(options, "has-session", "-t", f"={target}").returncode != 0:
         made = _tmux(options, "new-session", "-d", "-s", target, *common, command)
         if made.returncode == 0:
             return made.stdout.strip()
-        # Another run made it meanwhile ("duplicate session"): a window in it, then.
+        if "duplicate session" not in made.stderr:  # it may have made the window: no other
+            raise OSError(f"tmux new-session failed: {made.stderr.strip()}")
+        # Another run made it meanwhile: a window in it, then.
     done = _tmux(options, "new-window", "-d", "-t", f"={target}:", *common, command)
     if done.returncode != 0:
         raise OSError(f"tmux new-window failed: {done.stderr.strip()}")
@@ -203,12 +205,12 @@ def guarded_argv(client: Any, key: str, ref: str, session_id: str, argv: list[st
     ]  # fmt: skip
 
 
-def pane_alive(options: Options, window_id: str) -> bool:
+def pane_alive(options: Options, pane_id: str) -> bool:
     """Whether the window's pane still runs; a window whose id is not known (tmux failed
     after making it) is taken as running: its agent was started."""
-    if not window_id:
+    if not pane_id:
         return True
-    done = _tmux(options, "list-panes", "-t", window_id, "-F", "#{pane_dead}")
+    done = _tmux(options, "list-panes", "-t", pane_id, "-F", "#{pane_dead}")
     return done.returncode == 0 and "0" in done.stdout.split()
 
 
@@ -356,7 +358,7 @@ class Restorer:
         ref = record["effect_ref"]
         window = self.options.tmux_session + ":" + (entry.get("name") or session_id[:8])
         try:
-            window_id = launch_in_tmux(
+            pane_id = launch_in_tmux(
                 self.options,
                 entry.get("name") or session_id[:8],
                 entry["cwd"],
@@ -369,7 +371,7 @@ class Restorer:
                 return outcome
             # tmux failed or timed out after making the window, which recorded the launch
             # before it started the agent: the launch is this run's, go on with it.
-            window_id = ""
+            pane_id = ""
         outcome.window = window
         started = self.wait(
             lambda: self.session_started_since(session_id, record["created_at"]),
@@ -380,12 +382,12 @@ class Restorer:
             # completed now, a check that then gave up would leave a launch marked done
             # that never started (a hostile tester's reproducer). Wait for it to decide.
             self.wait(lambda: not processes_with(GUARD_ENV, session_id), GUARD_WAIT_S)
-            if pane_alive(self.options, window_id):  # its agent starts only now
+            if pane_alive(self.options, pane_id):  # its agent starts only now
                 started = self.wait(
                     lambda: self.session_started_since(session_id, record["created_at"]),
                     self.options.timeout,
                 )
-        if not started and not pane_alive(self.options, window_id):
+        if not started and not pane_alive(self.options, pane_id):
             now = self.settle_own(key, ref, None)  # the agent is gone: a retry may launch
             outcome.result = "failed"
             outcome.reason = (
@@ -400,9 +402,9 @@ class Restorer:
             elif now is not None:
                 outcome.reason += f"; its launch is {now}"
             return outcome
-        # The result names the window (RUN_MARK): a window whose check of the claim was
+        # The result names the pane (RUN_MARK): a window whose check of the claim was
         # still starting then starts its agent (client/restore_guard.py).
-        result = {"window": window, RUN_MARK: window_id, "argv": outcome.argv}
+        result = {"window": window, RUN_MARK: pane_id, "argv": outcome.argv}
         now = self.settle_own(key, ref, result)
         if now not in (None, "completed"):  # settled by another run meanwhile
             outcome.result = "failed"

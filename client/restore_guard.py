@@ -19,9 +19,10 @@ REF SESSION -- ARGV``, the run's own socket and principal, "" for none):
   ``abandoned``: the first wins;
 * anything else (released, claimed again, completed from evidence): another launch is
   the session's, and this window exits without starting the agent;
-* no daemon answering for DECIDE_S (asked again on each lost answer: the same write
-  sent twice is applied once): it does not start the agent either (the run, if
-  alive, sees the window gone and releases the claim for a retry);
+* no daemon answering for DECIDE_S before this window sent a write: it does not start
+  the agent either (the run, if alive, sees the window gone and releases the claim for
+  a retry); once it sent one, it asks until the daemon answers (the same write sent
+  twice is applied once, and the answer to the last is final);
 * the agent cannot be executed after all: the window forgets the launch it recorded
   (``idem.reopen`` under REF), so a rerun starts the mended agent.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from towerd.client import Client
@@ -45,27 +47,38 @@ from towerd.protocol.errors import Conflict, IdempotencyKeyUnknown, TowerdError
 
 OPERATION = "fleet.restore"  # the idempotency operation of every launch (client/restore.py)
 GUARD_ENV = "TOWERD_RESTORE_GUARD"  # in a window's environment until its agent starts
-RUN_MARK = "window_id"  # in the result of a launch its run completed (client/restore.py)
+# In the result of a launch its run completed (client/restore.py): the window's pane.
+RUN_MARK = "pane_id"
+
+
+def own_pane() -> str:
+    """This window's tmux pane (``%N``, unique in its server); outside tmux, this process."""
+    return os.environ.get("TMUX_PANE") or f"pid {os.getpid()}"
 
 
 def settled_by_window() -> dict[str, str]:
-    """The result of a launch this window settled: it names the window's pane, since one
-    claim may get two windows (tmux failing after it made the first, the run then asks
-    for another), and only the one that settled the claim starts its agent."""
-    return {"settled": "window", "pane": os.environ.get("TMUX_PANE") or f"pid {os.getpid()}"}
+    """The result of a launch this window settled. Both marks name a pane, since one claim
+    may get two windows (tmux failing after it made the first, the run then asking for
+    another), and only the window named starts its agent."""
+    return {"settled": "window", "pane": own_pane()}
 
 
 REFUSED = 3  # exit status of a window that did not start its agent
 CALL_TIMEOUT_S = fields.CALL_TIMEOUT_S  # each call to the daemon
-# How long a window asks the daemon before it gives up without starting its agent, and
-# so how long a rerun waits at most for a window still deciding (client/restore.py).
+# How long a window that has sent no write asks the daemon before it gives up without
+# starting its agent, and so about how long a rerun waits for a window still deciding
+# (client/restore.py; a window whose write is unanswered asks longer, and a rerun that
+# stops waiting then only races it at the daemon, where the first to be applied wins).
 DECIDE_S = 60.0
 
 
-def may_start(client: Client, key: str, ref: str) -> str | None:
+def may_start(
+    client: Client, key: str, ref: str, on_write: Callable[[], None] = lambda: None
+) -> str | None:
     """None if this window is the launch of the claim ``ref``; else why not. Asked again
     after a lost answer, it finds its own decision (``_decided_by_this_window``) or makes
-    it again: a write sent twice is applied once, in order, behind the first."""
+    it again: a write sent twice is applied once, in order, behind the first.
+    ``on_write`` is called before each write is sent."""
     try:
         record = client.idem_get(OPERATION, key)
     except IdempotencyKeyUnknown:
@@ -80,20 +93,24 @@ def may_start(client: Client, key: str, ref: str) -> str | None:
         # record, and the rerun, which settles only an unknown claim, finds it done
         # instead of launching the session beside it.
         try:
+            on_write()
             client.idem_complete(OPERATION, key, result=settled_by_window(), effect_ref=ref)
         except (Conflict, IdempotencyKeyUnknown):
-            return _decided_meanwhile(client, key, ref)
+            return _decided_meanwhile(client, key, ref, on_write)
         return None
     if record["state"] != "outcome_unknown":
         return f"its claim is {record['state']}: the session was settled by another run"
     try:
+        on_write()
         client.idem_resolve(OPERATION, key, "completed", result=settled_by_window(), effect_ref=ref)
     except (Conflict, IdempotencyKeyUnknown):
-        return _decided_meanwhile(client, key, ref)
+        return _decided_meanwhile(client, key, ref, on_write)
     return None
 
 
-def _decided_meanwhile(client: Client, key: str, ref: str) -> str | None:
+def _decided_meanwhile(
+    client: Client, key: str, ref: str, on_write: Callable[[], None]
+) -> str | None:
     """The claim moved between this window's read and its write: its own run completed
     it, or this window's own earlier write (its answer lost) was applied first (start);
     the run died (the claim turned unknown: decide again) or another run settled or
@@ -107,13 +124,18 @@ def _decided_meanwhile(client: Client, key: str, ref: str) -> str | None:
     if _completed_by_its_run(record) or _decided_by_this_window(record):
         return None
     if record["state"] == "outcome_unknown":
-        return may_start(client, key, ref)  # settled with a rerun's decision, first wins
+        return may_start(client, key, ref, on_write)  # settled with a rerun's, first wins
     return "another restore run settled the session first"
 
 
 def _completed_by_its_run(record: Any) -> bool:
+    """Completed by its run for this window: the run names the pane it made."""
     result = record.get("result")
-    return record["state"] == "completed" and isinstance(result, dict) and RUN_MARK in result
+    return (
+        record["state"] == "completed"
+        and isinstance(result, dict)
+        and result.get(RUN_MARK) == own_pane()
+    )
 
 
 def _decided_by_this_window(record: Any) -> bool:
@@ -123,40 +145,62 @@ def _decided_by_this_window(record: Any) -> bool:
 
 
 def decide(socket_path: str, principal: str, key: str, ref: str) -> str | None:
-    """``may_start`` until the daemon answers it, on a new connection each time, for up
-    to DECIDE_S. A lost answer to this window's write leaves it applied or still queued
-    behind the daemon's writer: asked again, the window finds it or sends it again, and
-    the answer to that is final. Exiting on the first lost answer after reading the claim
-    once (as it did) left a write applied later with no agent started: a launch on the
-    record that nothing launched."""
+    """``may_start`` until the daemon answers it, on a new connection each time. A lost
+    answer to this window's write leaves it applied or still queued behind the daemon's
+    writer: asked again, the window finds it or sends it again, and the answer to that is
+    final. So once a write was sent the window asks until it is answered, however long
+    the daemon takes: a window that gave up (after one look, then after 60 s) left its
+    write to be applied later with no agent started, a launch on the record that nothing
+    launched. Before any write, it gives up after DECIDE_S."""
     deadline = time.monotonic() + DECIDE_S
+    wrote = False
+    said_waiting = False
+
+    def on_write() -> None:
+        nonlocal wrote
+        wrote = True
+
     while True:
         try:
             with _client(socket_path, principal) as client:
-                return may_start(client, key, ref)
+                return may_start(client, key, ref, on_write)
         except (OSError, TowerdError) as exc:
-            if time.monotonic() >= deadline:
+            late = time.monotonic() >= deadline
+            if late and not wrote:
                 return f"the daemon did not answer for {DECIDE_S:g} s ({exc})"
-            time.sleep(0.2)
+            if late and not said_waiting:
+                print(f"towerd: waiting for the daemon to answer this window's record of its "
+                      f"launch ({exc}): it may have been applied", file=sys.stderr)  # fmt: skip
+                said_waiting = True
+            time.sleep(1.0 if late else 0.2)
 
 
 def undo_own_launch(socket_path: str, principal: str, key: str, ref: str) -> str:
     """The agent could not be executed after the launch was recorded: forget the launch
     (``idem.reopen`` of the outcome as read, under this claim), so that a rerun, once
-    the agent is mended, starts it. Says what became of the launch."""
-    try:
-        with _client(socket_path, principal) as client:
-            record = client.idem_get(OPERATION, key)
-            if record["effect_ref"] != ref or record["state"] != "completed":
-                return "its launch was settled elsewhere"
-            client.idem_reopen(OPERATION, key, record.get("result"), effect_ref=ref,
-                               reason="fleet restore: the agent could not be executed")  # fmt: skip
-    except (OSError, TowerdError) as exc:
-        return (
-            f"its launch stays recorded ({exc}); to launch it again this boot: towerctl idem "
-            f"reopen {OPERATION} {key}"
-        )
-    return "its launch was forgotten: towerctl fleet restore again launches it"
+    the agent is mended, starts it; asked again on a lost answer for up to DECIDE_S (a
+    reopen applied late forgets a launch that never ran: harmless). Says what became of
+    the launch."""
+    deadline = time.monotonic() + DECIDE_S
+    while True:
+        try:
+            with _client(socket_path, principal) as client:
+                record = client.idem_get(OPERATION, key)
+                if record["effect_ref"] != ref or not _decided_by_this_window(record):
+                    return "its launch is not this window's record any more"
+                why = "fleet restore: the agent could not be executed"
+                client.idem_reopen(OPERATION, key, record["result"], effect_ref=ref, reason=why)
+        except IdempotencyKeyUnknown:
+            pass  # forgotten already (its lost answer's reopen was applied)
+        except (OSError, TowerdError) as exc:
+            if time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            return (
+                f"its launch stays recorded ({exc}); to launch it again this boot: towerctl "
+                f"idem reopen {OPERATION} {key}"
+            )
+        return "its launch was forgotten: towerctl fleet restore again launches it"
 
 
 def _client(socket_path: str, principal: str) -> Client:

@@ -253,6 +253,11 @@ def test_a_rerun_with_a_short_timeout_waits_out_the_dead_run_s_slow_tmux(
     wait_for(mark.exists, timeout=20, what="the run's tmux call")
     run.send_signal(signal.SIGKILL)  # its claim stays; its tmux call goes on
     run.communicate(timeout=30)
+    from towerd.client.restore import OPERATION, boot_id
+
+    with fleet.daemon.client() as client:  # a rerun finding it in progress waits 1 s only
+        wait_for(lambda: client.idem_get(OPERATION, f"{boot_id()}:{session}")["state"]
+                 == "outcome_unknown", what="the dead run's claim unknown")  # fmt: skip
     rerun = fleet.restore("--session", session, "--timeout", "1")
     out, err = rerun.communicate(timeout=60)
     calls = mark.read_text().split()
@@ -495,13 +500,15 @@ def test_a_window_slower_than_the_run_s_timeout_still_starts_its_agent_once(
     assert started(fleet) == {session: 1}
 
 
-def test_a_window_starts_only_for_its_own_claim(fleet: Fleet):
+def test_a_window_starts_only_for_its_own_claim(fleet: Fleet, monkeypatch: pytest.MonkeyPatch):
     """The window's check, on each state its claim may be in: in progress (it records the
-    launch first) or completed by its own run (the result names a window): start;
-    completed from evidence, another claim, released: do not."""
+    launch first) or completed by its own run for its pane: start; completed by its run
+    for another pane (one claim with two windows: both started the agent, a hostile
+    tester's reproducer), from evidence, another claim, released: do not."""
     from towerd.client import Client
     from towerd.client.restore_guard import OPERATION, RUN_MARK, may_start, settled_by_window
 
+    monkeypatch.setenv("TMUX_PANE", "%7")
     with Client(fleet.daemon.socket_path) as client:
         claim = client.idem_claim(OPERATION, "boot:s", payload={"n": 1})
         ref = client.idem_get(OPERATION, "boot:s")["effect_ref"]
@@ -513,8 +520,11 @@ def test_a_window_starts_only_for_its_own_claim(fleet: Fleet):
         assert (record["state"], record["result"]) == ("completed", settled_by_window())
         client.idem_claim(OPERATION, "boot:m", payload={"n": 0})
         run_ref = client.idem_get(OPERATION, "boot:m")["effect_ref"]
-        client.idem_complete(OPERATION, "boot:m", result={RUN_MARK: "@1", "window": "w"})
+        client.idem_complete(OPERATION, "boot:m", result={RUN_MARK: "%7", "window": "w"})
         assert may_start(client, "boot:m", run_ref) is None  # its run completed it
+        monkeypatch.setenv("TMUX_PANE", "%8")  # the claim's other window
+        assert "completed" in (may_start(client, "boot:m", run_ref) or "")
+        assert "completed" in (may_start(client, "boot:s", ref) or "")
         client.idem_claim(OPERATION, "boot:e", payload={"n": 2})
         evidence_ref = client.idem_get(OPERATION, "boot:e")["effect_ref"]
         client.idem_complete(OPERATION, "boot:e", result={"settled": "evidence"})
@@ -620,8 +630,13 @@ def test_a_window_stalled_after_deciding_to_start_is_not_launched_beside(
 
 STALL_BEFORE_COMPLETE = """\
 # sitecustomize for the test's tmux windows: a window's check writes each call it makes,
-# and each that failed, to a log, and holds its first idem.complete until a gate.
+# and each that failed, to a log, and holds its first idem.complete until a gate; once
+# that write failed, the window's clock jumps 1000 s (past any deadline it keeps).
 import os, sys, time
+
+_monotonic = time.monotonic
+_jumped = []
+time.monotonic = lambda: _monotonic() + (1000.0 if _jumped else 0.0)
 
 from towerd.client.sync import Client
 
@@ -641,6 +656,8 @@ def call(self, method, params=None):
     except Exception as exc:
         with open(os.environ["GUARD_CALLS"], "a") as log:
             log.write(method + ":" + type(exc).__name__ + "\\n")
+        if method == "idem.complete":
+            _jumped.append(True)
         raise
 
 
@@ -666,11 +683,12 @@ def test_a_window_whose_launch_record_is_answered_late_still_starts_its_agent(
     fleet: Fleet, tmp_path: Path
 ):
     """The window's write of its launch lost its answer (the daemon stalled) and was
-    applied later: the window, having read the claim once and found it unchanged, exited
-    without starting the agent, and the launch stayed on the record with nothing
-    launched (a hostile tester's reproducer). The window now asks again until the daemon
-    answers: it finds its own write, and starts the agent, once."""
-    from towerd.client.restore import OPERATION, boot_id
+    applied later: the window, having read the claim once (before 9cdb063), or having
+    asked for 60 s (before this test's last change), exited without starting the agent,
+    and the launch stayed on the record with nothing launched (two hostile testers'
+    reproducers). Once it sent a write, the window now asks until the daemon answers,
+    however long: it finds its own write, and starts the agent, once."""
+    from towerd.client.restore import GUARD_ENV, OPERATION, boot_id, processes_with
 
     (session,) = fleet.dead_sessions(count=1)
     site = tmp_path / "site"
@@ -691,12 +709,16 @@ def test_a_window_whose_launch_record_is_answered_late_still_starts_its_agent(
                  what="the killed run's claim unknown")  # fmt: skip
     os.kill(daemon_pid, signal.SIGSTOP)
     gate.touch()  # the window's write goes to a daemon that does not answer
-    # Its write unanswered, then a new connection unanswered too: the daemon stays
-    # stalled past the window's first look after the lost answer.
+    # Its write unanswered, its clock then past any deadline: the daemon stays stalled
+    # until the window either gave up or asked again on a new connection.
     wait_for(lambda: "idem.complete:Unavailable" in calls.read_text().split(), timeout=60,
              what="the window's write without an answer")  # fmt: skip
-    wait_for(lambda: any(line.startswith("connect:") for line in calls.read_text().split()),
-             timeout=60, what="the window's next connection without an answer")  # fmt: skip
+
+    def gave_up_or_asks_again() -> bool:  # past its deadline (its clock jumped)
+        again = any(line.startswith("connect:") for line in calls.read_text().split())
+        return again or not processes_with(GUARD_ENV, session)
+
+    wait_for(gave_up_or_asks_again, timeout=60, what="the window past its deadline")
     os.kill(daemon_pid, signal.SIGCONT)
     with fleet.daemon.client() as client:
         wait_for(lambda: client.fleet_get(session)["live"] is True, timeout=60,
@@ -721,6 +743,74 @@ def test_an_agent_that_cannot_be_executed_is_launched_once_mended(fleet: Fleet):
     code, report = fleet.restored("--session", session, "--timeout", "3")
     assert code != 0 and report["sessions"][0]["result"] == "failed", report
     assert fleet.launches() == []
+    claude.write_text(good)
+    code, report = fleet.restored("--session", session, "--timeout", "10")
+    assert code == 0 and report["sessions"][0]["result"] == "started", report
+    assert started(fleet) == {session: 1}
+
+
+STOP_DAEMON_ON_EXEC_FAILURE = """\
+# sitecustomize for the test's tmux windows: when a window's exec of its agent fails, the
+# daemon is stopped (SIGSTOP) first; each failed connection of the window is logged.
+import os, signal, sys
+
+from towerd.client.sync import Client
+
+_execv = os.execv
+_connect = Client.connect
+
+
+def execv(path, args):
+    try:
+        return _execv(path, args)
+    except OSError:
+        if sys.argv and sys.argv[0].endswith("restore_guard.py"):
+            os.kill(int(os.environ["STOP_DAEMON_PID"]), signal.SIGSTOP)
+        raise
+
+
+def connect(self):
+    try:
+        return _connect(self)
+    except Exception as exc:
+        if sys.argv and sys.argv[0].endswith("restore_guard.py"):
+            with open(os.environ["GUARD_CALLS"], "a") as log:
+                log.write("connect:" + type(exc).__name__ + "\\n")
+        raise
+
+
+os.execv = execv
+Client.connect = connect
+"""
+
+
+def test_a_launch_whose_agent_cannot_be_executed_is_forgotten_past_a_stalled_daemon(
+    fleet: Fleet, tmp_path: Path
+):
+    """The window's exec failed after it recorded the launch, and its one attempt to
+    forget the record met a stalled daemon: the launch stayed on the record, and a rerun
+    with the agent mended started nothing (a hostile tester's reproducer). The window
+    now asks again until the daemon answers, up to 60 s."""
+    (session,) = fleet.dead_sessions(count=1)
+    claude = fleet.bin / "claude"
+    good = claude.read_text()
+    claude.write_text("#!/nonexistent/python\n" + good.split("\n", 1)[1])
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STOP_DAEMON_ON_EXEC_FAILURE)
+    calls = tmp_path / "guard-calls"
+    daemon_pid = fleet.daemon.proc.pid
+    fleet.env.update(PYTHONPATH=str(site), STOP_DAEMON_PID=str(daemon_pid),
+                     GUARD_CALLS=str(calls))  # fmt: skip
+    fleet.cleanups.append(lambda: os.kill(daemon_pid, signal.SIGCONT))
+    run = fleet.restore("--session", session, "--timeout", "3")
+    wait_for(lambda: calls.exists() and "connect:" in calls.read_text(), timeout=60,
+             what="the window's undo unanswered")  # fmt: skip
+    os.kill(daemon_pid, signal.SIGCONT)
+    run.communicate(timeout=120)
+    from towerd.client.restore import GUARD_ENV, processes_with
+
+    wait_for(lambda: not processes_with(GUARD_ENV, session), timeout=90, what="the window done")
     claude.write_text(good)
     code, report = fleet.restored("--session", session, "--timeout", "10")
     assert code == 0 and report["sessions"][0]["result"] == "started", report
@@ -823,36 +913,39 @@ case " $* " in
     {tmux} "$@" || exit $?
     echo made >> "$FAILING_TMUX_CALLS"
     while [ ! -s "$FAKE_AGENT_LOG" ]; do sleep 0.05; done
-    echo "tmux: lost server" >&2; exit 1;;
+    echo "{error}" >&2; exit 1;;
 esac
 exec {tmux} "$@"
 """
 
 
+@pytest.mark.parametrize("error", ["tmux: lost server", "duplicate session: towerd"])
 def test_a_launch_whose_tmux_call_failed_after_making_the_window_is_the_run_s(
-    fleet: Fleet,
+    fleet: Fleet, error: str
 ):
     """tmux failed after making the window, whose check recorded the launch and started
     the agent: the run reported "could not launch" for a session it had started (a
-    hostile tester's finding). It now goes on with the launch its window recorded."""
+    hostile tester's finding). It now goes on with the launch its window recorded. A
+    failed new-session is followed by a new-window only when it says "duplicate
+    session" (another run made the session); when that was a lie, the second window of
+    the claim does not start the agent again (the record names the first one's pane)."""
     (session,) = fleet.dead_sessions(count=1)
     tmux = fleet.bin / "tmux"
-    tmux.write_text(FAILING_TMUX.format(tmux=shutil.which("tmux")))
+    tmux.write_text(FAILING_TMUX.format(tmux=shutil.which("tmux"), error=error))
     tmux.chmod(0o755)
     calls = fleet.home / "tmux-windows-made"
     fleet.env["FAILING_TMUX_CALLS"] = str(calls)
     code, report = fleet.restored("--session", session)
     assert code == 0 and report["sessions"][0]["result"] == "started", report
-    # Its new-session failed after making the window, so it asked for a second window
-    # for the same claim: that one's check does not start the agent again, and exits.
-    assert calls.read_text().split() == ["made", "made"]
+    made = 2 if error.startswith("duplicate session") else 1
+    assert calls.read_text().split() == ["made"] * made
 
     def windows() -> list[str]:
         listed = subprocess.run(["tmux", "-L", fleet.tmux_socket, "list-windows", "-a"],
                                 capture_output=True, text=True)  # fmt: skip
         return listed.stdout.splitlines()
 
-    wait_for(lambda: len(windows()) == 1, timeout=30, what="the second window gone")
+    wait_for(lambda: len(windows()) == 1, timeout=30, what="a second window gone")
     assert started(fleet) == {session: 1}
 
 
