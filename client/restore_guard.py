@@ -43,7 +43,13 @@ from typing import Any
 
 from towerd.client import Client
 from towerd.protocol import fields
-from towerd.protocol.errors import Conflict, IdempotencyKeyUnknown, TowerdError
+from towerd.protocol.errors import (
+    Conflict,
+    IdempotencyKeyUnknown,
+    Internal,
+    TowerdError,
+    Unavailable,
+)
 
 OPERATION = "fleet.restore"  # the idempotency operation of every launch (client/restore.py)
 GUARD_ENV = "TOWERD_RESTORE_GUARD"  # in a window's environment until its agent starts
@@ -151,7 +157,8 @@ def decide(socket_path: str, principal: str, key: str, ref: str) -> str | None:
     final. So once a write was sent the window asks until it is answered, however long
     the daemon takes: a window that gave up (after one look, then after 60 s) left its
     write to be applied later with no agent started, a launch on the record that nothing
-    launched. Before any write, it gives up after DECIDE_S."""
+    launched. Before any write, it gives up after DECIDE_S. An answer that asking again
+    would not change (a daemon of another protocol, a refusal) ends it at once."""
     deadline = time.monotonic() + DECIDE_S
     wrote = False
     said_waiting = False
@@ -164,7 +171,9 @@ def decide(socket_path: str, principal: str, key: str, ref: str) -> str | None:
         try:
             with _client(socket_path, principal) as client:
                 return may_start(client, key, ref, on_write)
-        except (OSError, TowerdError) as exc:
+        # No answer, or a failure that may pass (a locked database): a write sent may yet
+        # be applied, and asking again may be answered.
+        except (OSError, Unavailable, Internal) as exc:
             late = time.monotonic() >= deadline
             if late and not wrote:
                 return f"the daemon did not answer for {DECIDE_S:g} s ({exc})"
@@ -173,6 +182,9 @@ def decide(socket_path: str, principal: str, key: str, ref: str) -> str | None:
                       f"launch ({exc}): it may have been applied", file=sys.stderr)  # fmt: skip
                 said_waiting = True
             time.sleep(1.0 if late else 0.2)
+        except TowerdError as exc:  # an answer that asking again will not change
+            advice = f"; if it was applied: towerctl idem reopen {OPERATION} {key}"
+            return f"the daemon refused ({exc.code}: {exc.message}){advice if wrote else ''}"
 
 
 def undo_own_launch(socket_path: str, principal: str, key: str, ref: str) -> str:
@@ -186,7 +198,8 @@ def undo_own_launch(socket_path: str, principal: str, key: str, ref: str) -> str
         try:
             with _client(socket_path, principal) as client:
                 record = client.idem_get(OPERATION, key)
-                if record["effect_ref"] != ref or not _decided_by_this_window(record):
+                mine = _decided_by_this_window(record) or _completed_by_its_run(record)
+                if record["effect_ref"] != ref or not mine:
                     return "its launch is not this window's record any more"
                 why = "fleet restore: the agent could not be executed"
                 client.idem_reopen(OPERATION, key, record["result"], effect_ref=ref, reason=why)

@@ -817,6 +817,66 @@ def test_a_launch_whose_agent_cannot_be_executed_is_forgotten_past_a_stalled_dae
     assert started(fleet) == {session: 1}
 
 
+STALL_WINDOW_PAST_ITS_RUN = """\
+# sitecustomize: the run waits 0.5 s (not GUARD_WAIT_S) for a window still checking its
+# claim (as for a window stopped longer than that); the window's check stalls before its
+# first call to the daemon until a gate.
+import os, sys, time
+
+from towerd.client.sync import Client
+
+_connect = Client.connect
+
+
+def connect(self):
+    if sys.argv and sys.argv[0].endswith("towerctl"):
+        import towerd.client.restore as restore
+
+        restore.GUARD_WAIT_S = 0.5
+    if sys.argv and sys.argv[0].endswith("restore_guard.py"):
+        while not os.path.exists(os.environ["WINDOW_GATE"]):
+            time.sleep(0.05)
+    return _connect(self)
+
+
+Client.connect = connect
+"""
+
+
+def test_a_window_started_on_its_run_s_mark_forgets_the_launch_when_exec_fails(
+    fleet: Fleet, tmp_path: Path
+):
+    """The run completed the claim for its window's pane while the window's check was
+    stopped; the window then went on, and its exec failed: its undo forgot only a record
+    of its own, so the run's stayed, and a rerun with the agent mended started nothing (a
+    third hostile round's reproducer). The undo now forgets either."""
+    from towerd.client.restore import GUARD_ENV, OPERATION, RUN_MARK, boot_id, processes_with
+
+    (session,) = fleet.dead_sessions(count=1)
+    claude = fleet.bin / "claude"
+    good = claude.read_text()
+    claude.write_text("#!/nonexistent/python\n" + good.split("\n", 1)[1])  # exec fails
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STALL_WINDOW_PAST_ITS_RUN)
+    gate = tmp_path / "window-gate"
+    fleet.env.update(PYTHONPATH=str(site), WINDOW_GATE=str(gate))
+    fleet.cleanups.append(gate.touch)
+    code, report = fleet.restored("--session", session, "--timeout", "1")
+    assert report["sessions"][0]["result"] == "failed", report
+    key = f"{boot_id()}:{session}"
+    with fleet.daemon.client() as client:
+        record = client.idem_get(OPERATION, key)
+    assert record["state"] == "completed" and record["result"][RUN_MARK], record
+    gate.touch()  # the window goes on: the run's mark names its pane; its exec fails
+    wait_for(lambda: not processes_with(GUARD_ENV, session), timeout=60, what="window done")
+    claude.write_text(good)
+    fleet.env.pop("PYTHONPATH")
+    code, report = fleet.restored("--session", session, "--timeout", "10")
+    assert code == 0 and report["sessions"][0]["result"] == "started", report
+    assert started(fleet) == {session: 1}
+
+
 def test_a_session_whose_cwd_has_a_module_named_like_python_s_own_starts(fleet: Fleet):
     """The window starts in the session's cwd; the check ran `python -m` there, and a
     project's `select.py` stood in for Python's: it crashed, and the session never came
