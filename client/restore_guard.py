@@ -83,8 +83,11 @@ def may_start(
 ) -> str | None:
     """None if this window is the launch of the claim ``ref``; else why not. Asked again
     after a lost answer, it finds its own decision (``_decided_by_this_window``) or makes
-    it again: a write sent twice is applied once, in order, behind the first.
-    ``on_write`` is called before each write is sent."""
+    it again: a write sent twice is applied once, in order, behind the first. A write
+    refused because the claim moved meanwhile (its run completed it, this window's own
+    earlier write landed first, a rerun settled or claimed it) looks again; a claim
+    never goes back to a state this writes from, so that ends. ``on_write`` is called
+    before each write is sent."""
     try:
         record = client.idem_get(OPERATION, key)
     except IdempotencyKeyUnknown:
@@ -102,7 +105,7 @@ def may_start(
             on_write()
             client.idem_complete(OPERATION, key, result=settled_by_window(), effect_ref=ref)
         except (Conflict, IdempotencyKeyUnknown):
-            return _decided_meanwhile(client, key, ref, on_write)
+            return may_start(client, key, ref, on_write)  # moved meanwhile: look again
         return None
     if record["state"] != "outcome_unknown":
         return f"its claim is {record['state']}: the session was settled by another run"
@@ -110,28 +113,8 @@ def may_start(
         on_write()
         client.idem_resolve(OPERATION, key, "completed", result=settled_by_window(), effect_ref=ref)
     except (Conflict, IdempotencyKeyUnknown):
-        return _decided_meanwhile(client, key, ref, on_write)
+        return may_start(client, key, ref, on_write)  # settled meanwhile: look again
     return None
-
-
-def _decided_meanwhile(
-    client: Client, key: str, ref: str, on_write: Callable[[], None]
-) -> str | None:
-    """The claim moved between this window's read and its write: its own run completed
-    it, or this window's own earlier write (its answer lost) was applied first (start);
-    the run died (the claim turned unknown: decide again) or another run settled or
-    claimed it (do not start)."""
-    try:
-        record = client.idem_get(OPERATION, key)
-    except IdempotencyKeyUnknown:
-        return "its claim was released: another restore run launches the session"
-    if record["effect_ref"] != ref:
-        return "another restore run settled the dead run's claim and claimed the session first"
-    if _completed_by_its_run(record) or _decided_by_this_window(record):
-        return None
-    if record["state"] == "outcome_unknown":
-        return may_start(client, key, ref, on_write)  # settled with a rerun's, first wins
-    return "another restore run settled the session first"
 
 
 def _completed_by_its_run(record: Any) -> bool:

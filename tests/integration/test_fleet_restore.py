@@ -628,6 +628,26 @@ def test_a_window_stalled_after_deciding_to_start_is_not_launched_beside(
     assert started(fleet) == {session: 1}
 
 
+LOG_WINDOW_CONNECTS = """
+from towerd.client.sync import Client
+
+_connect = Client.connect
+
+
+def connect(self):  # each failed connection of a window's check, logged
+    try:
+        return _connect(self)
+    except Exception as exc:
+        if sys.argv and sys.argv[0].endswith("restore_guard.py"):
+            with open(os.environ["GUARD_CALLS"], "a") as log:
+                log.write("connect:" + type(exc).__name__ + "\\n")
+        raise
+
+
+Client.connect = connect
+"""
+
+
 STALL_BEFORE_COMPLETE = """\
 # sitecustomize for the test's tmux windows: a window's check writes each call it makes,
 # and each that failed, to a log, and holds its first idem.complete until a gate; once
@@ -661,21 +681,7 @@ def call(self, method, params=None):
         raise
 
 
-_connect = Client.connect
-
-
-def connect(self):
-    try:
-        return _connect(self)
-    except Exception as exc:
-        if sys.argv and sys.argv[0].endswith("restore_guard.py"):
-            with open(os.environ["GUARD_CALLS"], "a") as log:
-                log.write("connect:" + type(exc).__name__ + "\\n")
-        raise
-
-
 Client.call = call
-Client.connect = connect
 """
 
 
@@ -693,7 +699,7 @@ def test_a_window_whose_launch_record_is_answered_late_still_starts_its_agent(
     (session,) = fleet.dead_sessions(count=1)
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(STALL_BEFORE_COMPLETE)
+    (site / "sitecustomize.py").write_text(STALL_BEFORE_COMPLETE + LOG_WINDOW_CONNECTS)
     calls, mark, gate = tmp_path / "guard-calls", tmp_path / "mark", tmp_path / "gate"
     fleet.env.update(PYTHONPATH=str(site), GUARD_CALLS=str(calls), COMPLETE_MARK=str(mark),
                      COMPLETE_GATE=str(gate))  # fmt: skip
@@ -751,13 +757,10 @@ def test_an_agent_that_cannot_be_executed_is_launched_once_mended(fleet: Fleet):
 
 STOP_DAEMON_ON_EXEC_FAILURE = """\
 # sitecustomize for the test's tmux windows: when a window's exec of its agent fails, the
-# daemon is stopped (SIGSTOP) first; each failed connection of the window is logged.
+# daemon is stopped (SIGSTOP) first.
 import os, signal, sys
 
-from towerd.client.sync import Client
-
 _execv = os.execv
-_connect = Client.connect
 
 
 def execv(path, args):
@@ -769,18 +772,7 @@ def execv(path, args):
         raise
 
 
-def connect(self):
-    try:
-        return _connect(self)
-    except Exception as exc:
-        if sys.argv and sys.argv[0].endswith("restore_guard.py"):
-            with open(os.environ["GUARD_CALLS"], "a") as log:
-                log.write("connect:" + type(exc).__name__ + "\\n")
-        raise
-
-
 os.execv = execv
-Client.connect = connect
 """
 
 
@@ -797,7 +789,7 @@ def test_a_launch_whose_agent_cannot_be_executed_is_forgotten_past_a_stalled_dae
     claude.write_text("#!/nonexistent/python\n" + good.split("\n", 1)[1])
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(STOP_DAEMON_ON_EXEC_FAILURE)
+    (site / "sitecustomize.py").write_text(STOP_DAEMON_ON_EXEC_FAILURE + LOG_WINDOW_CONNECTS)
     calls = tmp_path / "guard-calls"
     daemon_pid = fleet.daemon.proc.pid
     fleet.env.update(PYTHONPATH=str(site), STOP_DAEMON_PID=str(daemon_pid),
