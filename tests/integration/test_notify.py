@@ -84,7 +84,9 @@ class Notify:
     def records(self) -> list[dict[str, Any]]:
         if not self.out.exists():
             return []
-        return [json.loads(line) for line in self.out.read_text().splitlines()]
+        # Whole lines only: a recorder may be writing the last one while it is read.
+        *whole, _partial = self.out.read_text().split("\n")
+        return [json.loads(line) for line in whole]
 
     def wait_records(self, count: int, timeout: float = 20.0) -> list[dict[str, Any]]:
         try:
@@ -361,8 +363,8 @@ def test_desktop_runs_notify_send(daemon, start_notify, short_tmp):
     notify.watching()
     notification(client, named)
     client.event_record("Notification", session_id=anonymous)  # no message
-    wait_for(lambda: calls.exists() and len(calls.read_text().splitlines()) >= 2, timeout=20,
-             what="two notify-send calls")  # fmt: skip
+    wait_for(lambda: calls.exists() and calls.read_text().count("\n") >= 2, timeout=20,
+             what="two whole notify-send calls")  # fmt: skip
     assert [json.loads(line) for line in calls.read_text().splitlines()] == [
         ["towerd: alpha needs you", NEEDS],
         [f"towerd: {anonymous} needs you", ""],
