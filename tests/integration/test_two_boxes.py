@@ -96,8 +96,10 @@ def test_a_killed_box_is_declared_dead_and_the_other_frees_what_it_held(
 
         lease: Any = wait_for(taken, timeout=20, what="the dead box's lease to be freed")
         assert lease["fencing_token"] > granted["fencing_token"]
-        log = b.log()
-        assert "box_declared_dead" in log and dead_box in log
+        # Logged once the declaring batch committed, which may be after the answer that
+        # granted the lease: waited for, not read once.
+        wait_for(lambda: "box_declared_dead" in (log := b.log()) and dead_box in log,
+                 timeout=10, what="box b's log of the dead box")  # fmt: skip
     # Its key turned outcome_unknown (decided by box b): a retry through either box is
     # told so, never "claimed" again.
     a.start()

@@ -150,8 +150,8 @@ async def test_a_batch_that_waited_for_the_lock_reads_the_clock_after_its_wait(
             pending = store.write(now_of)
             await waiting_for_the_lock(short_tmp, store)
             await anyio.sleep(0.05)  # the clock moves on while the batch waits
-            (held_until,) = other.execute(
-                "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+            (held_until,) = other.execute(  # floored in ms, as the store reads it
+                "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
             ).fetchone()
         assert await pending >= held_until
 
